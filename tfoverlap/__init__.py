@@ -1,0 +1,19 @@
+"""tfoverlap: overlap communication with computation in data-parallel TensorFlow training.
+
+Importing the package loads the TfOverlap Grappler optimizer into TensorFlow; switch it on
+with :func:`session_config` (TF1 sessions, distributed servers), :func:`tf_function_options`
+(TF2 tf.function), or run the same passes offline with :func:`optimize`.
+"""
+from tfoverlap.api import optimize
+from tfoverlap.config import (enable_for_tf_function, rewriter_config_text, session_config,
+                              tf_function_options)
+from tfoverlap.options import Options
+from tfoverlap.passes import PassFailure, Report
+from tfoverlap.plugin import load, recent_reports
+
+__version__ = "0.1.0"
+__all__ = ["optimize", "session_config", "rewriter_config_text", "tf_function_options",
+           "enable_for_tf_function", "Options", "Report", "PassFailure", "load",
+           "recent_reports"]
+
+load()

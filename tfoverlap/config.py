@@ -1,0 +1,106 @@
+"""The switch: session configs that turn the TfOverlap optimizer on.
+
+``session_config`` for ``tf.compat.v1.Session`` / ``tf.distribute.Server`` programs,
+``rewriter_config_text`` for programs that take a RewriterConfig on their command line,
+``tf_function_options`` for TF2 ``tf.function`` graphs.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from tfoverlap import compat
+from tfoverlap.options import parse_options
+from tfoverlap.plugin import OPTIMIZER_NAME, load
+
+__all__ = ["session_config", "rewriter_config_text", "tf_function_options",
+           "enable_for_tf_function"]
+
+
+def _set_parameter(attr, value) -> None:
+    if isinstance(value, bool):
+        attr.b = value
+    elif isinstance(value, int):
+        attr.i = value
+    elif isinstance(value, float):
+        attr.f = value
+    else:
+        attr.s = str(value).encode()
+
+
+def _add_optimizer(config, options: dict):
+    """Returns a copy of ``config`` with TfOverlap (and only one) in its custom optimizers."""
+    from tensorflow.core.protobuf import config_pb2
+    parsed = parse_options(options)
+    new_config = config_pb2.ConfigProto()
+    if config is not None:
+        new_config.CopyFrom(config)
+    rewrite_options = new_config.graph_options.rewrite_options
+    kept = [c for c in rewrite_options.custom_optimizers if c.name != OPTIMIZER_NAME]
+    del rewrite_options.custom_optimizers[:]
+    rewrite_options.custom_optimizers.extend(kept)
+    optimizer = rewrite_options.custom_optimizers.add(name=OPTIMIZER_NAME)
+    for name, value in options.items():
+        # The parsed value is what the plugin will see; profile paths are made absolute
+        # so that a server started elsewhere finds them.
+        value = getattr(parsed, name)
+        if name == "profile" and value:
+            value = os.path.abspath(value)
+        _set_parameter(optimizer.parameter_map[name], value)
+    if parsed.strict:
+        rewrite_options.fail_on_optimizer_errors = True
+    return new_config
+
+
+def session_config(config=None, **options):
+    """A ``tf.compat.v1.ConfigProto`` with the TfOverlap optimizer switched on.
+
+    Args:
+      config: a ConfigProto to start from; it is copied, never modified.
+      **options: see :class:`tfoverlap.options.Options`.
+
+    Raises:
+      ValueError: an unknown option or a bad value, naming it.
+
+    Example:
+      >>> import tfoverlap, tensorflow as tf
+      >>> config = tfoverlap.session_config(schedule="tic", window=2)
+      >>> with tf.compat.v1.Session(config=config) as session: ...
+    """
+    load()
+    return _add_optimizer(config, options)
+
+
+def rewriter_config_text(**options) -> str:
+    """The same as :func:`session_config`, as RewriterConfig text format."""
+    from google.protobuf import text_format
+    return text_format.MessageToString(
+        _add_optimizer(None, options).graph_options.rewrite_options)
+
+
+def enable_for_tf_function(**options):
+    """Turns TfOverlap on for tf.function graphs first called from this thread afterwards.
+
+    TensorFlow has no public API for a tf.function's Grappler config; this sets the eager
+    context's function-call options (per thread). Returns the previous config, which
+    :func:`tfoverlap.compat.set_function_config` restores.
+    """
+    load()
+    previous = compat.get_function_config()
+    compat.set_function_config(_add_optimizer(previous, options))
+    return previous
+
+
+@contextlib.contextmanager
+def tf_function_options(**options):
+    """Context manager form of :func:`enable_for_tf_function`.
+
+    Example:
+      >>> with tfoverlap.tf_function_options(schedule="tic"):
+      ...     step(x)  # the first call of a concrete function is optimized by TfOverlap
+    """
+    previous = enable_for_tf_function(**options)
+    try:
+        yield
+    finally:
+        compat.set_function_config(previous)

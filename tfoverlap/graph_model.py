@@ -1,0 +1,259 @@
+"""From a GraphDef to plain ids and lists, and the structural checks every pass must pass.
+
+Algorithms never see protobufs: they get a :class:`GraphModel` whose nodes are integers
+0..n-1 with their name, op, device and inputs. Only this module and the rewriters read or
+write ``GraphDef`` fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable, Sequence
+
+__all__ = [
+    "GraphError", "GraphModel", "parse_input", "parse_device_spec", "DeviceMatcher",
+    "verify_graph_def",
+]
+
+# Edges out of these ops close TF1 while loops; they are not ordering constraints.
+LOOP_BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
+
+
+class GraphError(ValueError):
+    """The graph is not a well-formed dataflow graph (dangling input, cycle, ...)."""
+
+
+def parse_input(text: str) -> tuple[str, int, bool]:
+    """Splits a NodeDef input string into (node name, output slot, is_control)."""
+    if text.startswith("^"):
+        return text[1:], -1, True
+    name, sep, slot = text.rpartition(":")
+    if sep and slot.isdigit():
+        return name, int(slot), False
+    return text, 0, False
+
+
+_DEVICE_FIELD = re.compile(r"/(job|replica|task|device|cpu|gpu|CPU|GPU):?([^/]*)")
+
+
+def parse_device_spec(spec: str) -> dict[str, str]:
+    """Parses "/job:ps/replica:0/task:1/device:CPU:0" (any subset of fields) into a dict.
+
+    Keys: job, replica, task, type, index. Legacy "/cpu:0" and "/gpu:0" are accepted.
+
+    Raises:
+      ValueError: the text is not a device spec.
+    """
+    fields: dict[str, str] = {}
+    position = 0
+    spec = spec.strip()
+    while position < len(spec):
+        match = _DEVICE_FIELD.match(spec, position)
+        if match is None:
+            raise ValueError(f"{spec!r} is not a device spec like '/job:ps' or "
+                             "'/job:ps/task:0/device:CPU:0'")
+        key, value = match.group(1), match.group(2)
+        if key == "device":
+            device_type, _, index = value.partition(":")
+            fields["type"] = device_type.upper()
+            if index:
+                fields["index"] = index
+        elif key.lower() in ("cpu", "gpu"):
+            fields["type"] = key.upper()
+            if value:
+                fields["index"] = value
+        else:
+            fields[key] = value
+        position = match.end()
+    if not fields:
+        raise ValueError(f"{spec!r} is not a device spec like '/job:ps'")
+    return fields
+
+
+class DeviceMatcher:
+    """Says whether a node's device matches any of several partial device specs."""
+
+    def __init__(self, specs: str | Sequence[str]):
+        if isinstance(specs, str):
+            specs = [s for s in specs.split(",") if s.strip()]
+        self._specs = [parse_device_spec(s) for s in specs]
+        self._cache: dict[str, bool] = {}
+
+    def __call__(self, device: str) -> bool:
+        if device not in self._cache:
+            if not device:
+                self._cache[device] = False
+            else:
+                fields = parse_device_spec(device)
+                self._cache[device] = any(
+                    all(fields.get(key) == value for key, value in spec.items())
+                    for spec in self._specs)
+        return self._cache[device]
+
+
+@dataclasses.dataclass
+class GraphModel:
+    """A GraphDef's nodes as integers.
+
+    data_inputs[v]:    (producer id, output slot) per data input, in input order.
+    control_inputs[v]: producer ids of control inputs.
+    """
+
+    names: list[str]
+    ops: list[str]
+    devices: list[str]
+    data_inputs: list[list[tuple[int, int]]]
+    control_inputs: list[list[int]]
+    index: dict[str, int]
+
+    @classmethod
+    def from_graph_def(cls, graph_def) -> "GraphModel":
+        """Raises GraphError on a dangling input or a duplicate node name."""
+        nodes = graph_def.node
+        names = [node.name for node in nodes]
+        index = {name: i for i, name in enumerate(names)}
+        if len(index) != len(names):
+            seen: set[str] = set()
+            duplicate = next(name for name in names if name in seen or seen.add(name))
+            raise GraphError(f"node name {duplicate!r} appears twice")
+        data_inputs: list[list[tuple[int, int]]] = []
+        control_inputs: list[list[int]] = []
+        for node in nodes:
+            data, control = [], []
+            for text in node.input:
+                name, slot, is_control = parse_input(text)
+                producer = index.get(name)
+                if producer is None:
+                    raise GraphError(f"node {node.name!r} has input {text!r}, "
+                                     "which names no node of the graph")
+                if is_control:
+                    control.append(producer)
+                else:
+                    data.append((producer, slot))
+            data_inputs.append(data)
+            control_inputs.append(control)
+        return cls(names=names, ops=[n.op for n in nodes], devices=[n.device for n in nodes],
+                   data_inputs=data_inputs, control_inputs=control_inputs, index=index)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.names)
+
+    def predecessors(self, node: int) -> list[int]:
+        """Data and control producers of ``node``, loop back-edges excluded."""
+        preds = [p for p, _ in self.data_inputs[node]] + self.control_inputs[node]
+        return [p for p in preds if self.ops[p] not in LOOP_BACK_EDGE_OPS]
+
+    def successors(self) -> list[list[int]]:
+        """Consumers of each node (data or control, loop back-edges excluded), deduplicated."""
+        succs: list[list[int]] = [[] for _ in self.names]
+        for node in range(self.num_nodes):
+            for pred in dict.fromkeys(self.predecessors(node)):
+                succs[pred].append(node)
+        return succs
+
+    def topological_order(self, extra_edges: Iterable[tuple[int, int]] = ()) -> list[int]:
+        """Kahn's order of all nodes, optionally with extra (src, dst) edges.
+
+        Raises:
+          GraphError: the graph (with the extra edges) has a cycle; names a node on it.
+        """
+        succs = self.successors()
+        indegree = [0] * self.num_nodes
+        for node, consumers in enumerate(succs):
+            for consumer in consumers:
+                indegree[consumer] += 1
+        for src, dst in extra_edges:
+            succs[src].append(dst)
+            indegree[dst] += 1
+        ready = [v for v in range(self.num_nodes) if indegree[v] == 0]
+        ready.reverse()
+        order = []
+        while ready:
+            node = ready.pop()
+            order.append(node)
+            for consumer in succs[node]:
+                indegree[consumer] -= 1
+                if indegree[consumer] == 0:
+                    ready.append(consumer)
+        if len(order) != self.num_nodes:
+            stuck = next(v for v in range(self.num_nodes) if indegree[v] > 0)
+            raise GraphError(f"the graph has a cycle through node {self.names[stuck]!r}")
+        return order
+
+
+def verify_graph_def(graph_def, preserve: Iterable[str] = ()) -> None:
+    """The invariants every pass output must satisfy.
+
+    Every input names a node, control inputs follow data inputs and are not repeated, the
+    graph is acyclic (TF1 loop back-edges aside), and every node in ``preserve`` exists.
+
+    Raises:
+      GraphError: naming the first violation.
+    """
+    model = GraphModel.from_graph_def(graph_def)
+    for node in graph_def.node:
+        seen_control = False
+        controls: set[str] = set()
+        for text in node.input:
+            if text.startswith("^"):
+                seen_control = True
+                if text in controls:
+                    raise GraphError(f"node {node.name!r} lists control input {text!r} twice")
+                controls.add(text)
+            elif seen_control:
+                raise GraphError(f"node {node.name!r} has data input {text!r} after a "
+                                 "control input")
+    missing = [name for name in preserve if name not in model.index]
+    if missing:
+        raise GraphError(f"node {missing[0]!r}, which must be preserved, is gone")
+    model.topological_order()
+
+
+# Bytes per element of TensorFlow's DataType enum values (ref types are value + 100).
+_DTYPE_BYTES = {1: 4, 2: 8, 3: 4, 4: 1, 5: 2, 6: 1, 8: 8, 9: 8, 10: 1, 14: 2, 17: 2, 18: 16,
+                19: 2, 22: 4, 23: 8}
+_VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp"})
+_PASS_THROUGH_OPS = frozenset({"Identity", "ReadVariableOp", "Snapshot"})
+
+
+def _shape_elements(shape_proto) -> int | None:
+    if shape_proto.unknown_rank:
+        return None
+    elements = 1
+    for dim in shape_proto.dim:
+        if dim.size < 0:
+            return None
+        elements *= dim.size
+    return elements
+
+
+def tensor_bytes(graph_def, model: GraphModel, node: int, slot: int = 0) -> int | None:
+    """Static size of output ``slot`` of ``node`` in bytes, or None if unknown.
+
+    Uses ``_output_shapes`` when present, else follows Identity/ReadVariableOp back to the
+    variable whose ``shape`` and ``dtype`` attrs give the size.
+    """
+    for _ in range(8):
+        node_def = graph_def.node[node]
+        attrs = node_def.attr
+        dtype = None
+        for key in ("dtype", "T"):
+            if key in attrs and attrs[key].WhichOneof("value") == "type":
+                dtype = attrs[key].type % 100
+                break
+        if "_output_shapes" in attrs and dtype is not None:
+            shapes = attrs["_output_shapes"].list.shape
+            if slot < len(shapes):
+                elements = _shape_elements(shapes[slot])
+                if elements is not None and dtype in _DTYPE_BYTES:
+                    return elements * _DTYPE_BYTES[dtype]
+        if node_def.op in _VARIABLE_OPS and "shape" in attrs and dtype is not None:
+            elements = _shape_elements(attrs["shape"].shape)
+            return None if elements is None or dtype not in _DTYPE_BYTES else (
+                elements * _DTYPE_BYTES[dtype])
+        if node_def.op in _PASS_THROUGH_OPS and model.data_inputs[node]:
+            node, slot = model.data_inputs[node][0]
+            continue
+        return None
+    return None

@@ -1,0 +1,145 @@
+"""The options of the TfOverlap passes: one validated object for the plugin, the API and the CLI.
+
+Options arrive as Python keyword arguments (``session_config(schedule="tac")``), as the
+``parameter_map`` of the Grappler custom optimizer (AttrValue protos), or as CLI flags.
+All three go through :func:`parse_options`, which names the offending option in a
+``ValueError``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+__all__ = ["Options", "parse_options", "parse_bandwidth", "OPTION_NAMES"]
+
+SCHEDULES = ("tic", "tac", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the passes do.
+
+    schedule:    parameter-server transfer ordering: "tic" (from the DAG alone), "tac"
+                 (from profiled or estimated times) or "none".
+    window:      how many ordered transfers may be in flight at once (1 = strictly serial).
+    ps_devices:  comma-separated device specs whose nodes are parameter servers; a device
+                 matches when every field the spec names agrees ("/job:ps" matches every
+                 device of job ps, "/device:CPU:1" every CPU:1).
+    profile:     a profile file written by ``tfoverlap.profile`` (TAC's costs); "" for none.
+    bandwidth:   bytes per second used to estimate transfer times missing from the profile.
+    strict:      re-raise a failing pass instead of logging and keeping the graph (tests).
+    report_dir:  if set, every run writes its report there as JSON.
+    """
+
+    schedule: str = "tic"
+    window: int = 1
+    ps_devices: str = "/job:ps"
+    profile: str = ""
+    bandwidth: float = 125e6
+    strict: bool = False
+    report_dir: str = ""
+
+
+OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
+
+_BANDWIDTH_UNITS = {
+    "": 1.0, "b": 1.0, "bps": 1 / 8, "bit": 1 / 8,
+    "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
+    "kb": 1e3, "mb": 1e6, "gb": 1e9,
+}
+
+
+def parse_bandwidth(value: Any) -> float:
+    """Bytes per second from a number (bytes/s) or a string such as "10Gbit" or "125MB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"bandwidth must be a number or a string like '10Gbit', got {value!r}")
+    if isinstance(value, (int, float)):
+        rate = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)(?:/s)?\s*",
+                             str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _BANDWIDTH_UNITS:
+            raise ValueError(f"bandwidth {value!r} is not understood; use bytes/s or a value "
+                             "like '100Mbit', '10Gbit', '125MB'")
+        rate = float(match.group(1)) * _BANDWIDTH_UNITS[unit]
+    if not rate > 0 or rate == float("inf"):
+        raise ValueError(f"bandwidth must be positive and finite, got {value!r}")
+    return rate
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ValueError(f"option {name!r} must be true or false, got {value!r}")
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"option {name!r} must be an integer, got {value!r}")
+    try:
+        number = int(value) if not isinstance(value, float) or value.is_integer() else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None:
+        raise ValueError(f"option {name!r} must be an integer, got {value!r}")
+    return number
+
+
+
+def _validate_ps_devices(value: str) -> str:
+    from tfoverlap.graph_model import parse_device_spec  # avoids an import cycle
+    specs = [spec.strip() for spec in value.split(",") if spec.strip()]
+    if not specs:
+        raise ValueError("option 'ps_devices' must name at least one device spec, e.g. '/job:ps'")
+    for spec in specs:
+        parse_device_spec(spec)
+    return ",".join(specs)
+
+
+def parse_options(values: Mapping[str, Any] | None = None, *,
+                  check_files: bool = True) -> Options:
+    """Validates raw option values and returns an :class:`Options`.
+
+    Raises:
+      ValueError: an unknown option, or a value out of range, naming the option. With
+        ``check_files`` a profile that is missing, corrupt or of another format is
+        reported here, at config time, rather than when the graph is optimized.
+    """
+    values = dict(values or {})
+    unknown = sorted(set(values) - set(OPTION_NAMES))
+    if unknown:
+        raise ValueError(f"unknown tfoverlap option {unknown[0]!r}; known options: "
+                         f"{', '.join(OPTION_NAMES)}")
+    parsed: dict[str, Any] = {}
+    for name, value in values.items():
+        if name == "schedule":
+            value = str(value).lower()
+            if value not in SCHEDULES:
+                raise ValueError(f"option 'schedule' must be one of {SCHEDULES}, got {value!r}")
+        elif name == "window":
+            value = _as_int(name, value)
+            if value < 1:
+                raise ValueError(f"option 'window' must be at least 1, got {value}")
+        elif name == "ps_devices":
+            value = _validate_ps_devices(str(value))
+        elif name in ("profile", "report_dir"):
+            value = "" if value is None else str(value)
+        elif name == "bandwidth":
+            try:
+                value = parse_bandwidth(value)
+            except ValueError as error:
+                raise ValueError(f"option 'bandwidth': {error}") from None
+        elif name == "strict":
+            value = _as_bool(name, value)
+        parsed[name] = value
+    options = Options(**parsed)
+    if check_files and options.profile:
+        from tfoverlap.cost_model import load_profile  # validates format and version
+        load_profile(options.profile)
+    return options

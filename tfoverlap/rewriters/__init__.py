@@ -1,0 +1,1 @@
+"""Rewriters: turn a schedule into GraphDef edits."""

@@ -1,0 +1,1 @@
+"""Schedulers: plain-data algorithms that decide orders (no TensorFlow here)."""

@@ -1,0 +1,185 @@
+"""TicTac's transfer orderings (Hashemi et al., MLSys 2019), on plain data.
+
+Inputs are per-op *dependency sets*: for each compute op, the set of outstanding transfers
+it transitively needs, as a Python int bitset (bit r = transfer r). From them:
+
+- ``M(r)``  transfer time of r,
+- ``P(r)``  compute time of the ops whose only outstanding dependency is r,
+- ``M+(r)`` over ops that need r and other outstanding transfers, the minimum summed
+  transfer time of what they need (infinity if there is none).
+
+TIC: unit transfer times, zero compute; static priority M+ (ascending). TAC: repeatedly
+pick the transfer that goes first by Johnson's two-machine flow-shop rule ("A before B iff
+min(P_B, M_A) < min(P_A, M_B)"), ties by smaller M+, then recompute over what is left.
+
+Ops sharing a dependency set are merged first, so the work per pick is over distinct
+sets (K, usually O(R)) rather than over all N ops, with numpy over a K x R matrix that
+shrinks as transfers and satisfied sets drop out.
+
+Both orders also respect *precedence*: a transfer whose source itself depends on other
+transfers is never ordered before them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["DependencySets", "group_dependency_sets", "tic_order", "tac_order",
+           "transfer_priorities"]
+
+
+@dataclasses.dataclass
+class DependencySets:
+    """Distinct dependency sets of the compute ops.
+
+    matrix[k, r]:  set k contains transfer r.
+    compute[k]:    total compute time of the ops whose dependency set is k.
+    """
+
+    matrix: np.ndarray
+    compute: np.ndarray
+
+    @property
+    def num_transfers(self) -> int:
+        return self.matrix.shape[1]
+
+
+def bits_to_rows(bitsets: Sequence[int], width: int) -> np.ndarray:
+    """Python int bitsets -> bool matrix (len(bitsets) x width); bit r -> column r."""
+    num_bytes = max(1, (width + 7) // 8)
+    raw = b"".join(bits.to_bytes(num_bytes, "little") for bits in bitsets)
+    packed = np.frombuffer(raw, dtype=np.uint8).reshape(len(bitsets), num_bytes)
+    return np.unpackbits(packed, axis=1, bitorder="little")[:, :width].astype(bool)
+
+
+def group_dependency_sets(op_dependencies: Sequence[int], op_times: Sequence[float] | None,
+                          num_transfers: int) -> DependencySets:
+    """Merges ops with equal dependency sets; ops that need no transfer are dropped."""
+    totals: dict[int, float] = {}
+    for index, bits in enumerate(op_dependencies):
+        if bits:
+            totals[bits] = totals.get(bits, 0.0) + (op_times[index] if op_times is not None
+                                                    else 0.0)
+    keys = list(totals)
+    matrix = (bits_to_rows(keys, num_transfers) if keys
+              else np.zeros((0, num_transfers), dtype=bool))
+    return DependencySets(matrix=matrix, compute=np.array([totals[k] for k in keys], float))
+
+
+def _min_plus(matrix: np.ndarray, counts: np.ndarray, sums: np.ndarray) -> np.ndarray:
+    """M+ per column: min of ``sums`` over rows with counts > 1 that contain the column."""
+    multi = counts > 1
+    if not multi.any():
+        return np.full(matrix.shape[1], np.inf)
+    return np.where(matrix[multi], sums[multi, None], np.inf).min(axis=0)
+
+
+def _precedence_counts(source_dependencies: Sequence[int], num_transfers: int):
+    blockers = [0] * num_transfers
+    unblocks: list[list[int]] = [[] for _ in range(num_transfers)]
+    for transfer, bits in enumerate(source_dependencies):
+        bits &= ~(1 << transfer)
+        while bits:
+            low = bits & -bits
+            blocker = low.bit_length() - 1
+            blockers[transfer] += 1
+            unblocks[blocker].append(transfer)
+            bits ^= low
+    return blockers, unblocks
+
+
+def transfer_priorities(sets: DependencySets) -> tuple[np.ndarray, np.ndarray]:
+    """TIC's static keys: (M+ with unit transfer times, min transfers needed by any op).
+
+    The second key breaks M+ ties (e.g. the first two layers of a chain share M+ = 2,
+    but only the first layer's op can start after one transfer).
+    """
+    counts = sets.matrix.sum(axis=1).astype(float)
+    min_plus = _min_plus(sets.matrix, counts, counts)
+    if len(counts):
+        min_any = np.where(sets.matrix, counts[:, None], np.inf).min(axis=0)
+    else:
+        min_any = np.full(sets.num_transfers, np.inf)
+    return min_plus, min_any
+
+
+def tic_order(sets: DependencySets, source_dependencies: Sequence[int] = (),
+              tiebreak: Sequence[float] | None = None) -> list[int]:
+    """TIC: transfers by ascending M+ (unit costs), precedence respected.
+
+    Ties: fewer transfers needed by some op first, then ``tiebreak`` (e.g. the topological
+    position of the first consumer), then transfer index.
+    """
+    num = sets.num_transfers
+    min_plus, min_any = transfer_priorities(sets)
+    tiebreak = np.zeros(num) if tiebreak is None else np.asarray(tiebreak, float)
+    blockers, unblocks = _precedence_counts(source_dependencies or [0] * num, num)
+    heap = [(min_plus[r], min_any[r], tiebreak[r], r) for r in range(num) if blockers[r] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        *_, transfer = heapq.heappop(heap)
+        order.append(transfer)
+        for waiting in unblocks[transfer]:
+            blockers[waiting] -= 1
+            if blockers[waiting] == 0:
+                heapq.heappush(heap, (min_plus[waiting], min_any[waiting], tiebreak[waiting],
+                                      waiting))
+    if len(order) != num:
+        raise ValueError("transfer precedences form a cycle")
+    return order
+
+
+def tac_order(sets: DependencySets, transfer_times: Sequence[float],
+              source_dependencies: Sequence[int] = (),
+              tiebreak: Sequence[float] | None = None) -> list[int]:
+    """TAC: repeatedly pick by Johnson's rule over the outstanding transfers.
+
+    Key per candidate r: (0, M_r) if M_r < P_r (a transfer that unblocks more compute than
+    it costs goes early, shortest first), else (1, -P_r) (longest compute first); ties by
+    smaller M+, then ``tiebreak``, then index. P and M+ are recomputed after every pick.
+    """
+    num = sets.num_transfers
+    transfer_times = np.asarray(transfer_times, float)
+    tiebreak = np.zeros(num) if tiebreak is None else np.asarray(tiebreak, float)
+    blockers, unblocks = _precedence_counts(source_dependencies or [0] * num, num)
+    eligible = np.array([b == 0 for b in blockers])
+
+    matrix = sets.matrix
+    compute = sets.compute
+    columns = np.arange(num)          # original transfer id of each remaining column
+    counts = matrix.sum(axis=1)
+    sums = matrix.astype(float) @ transfer_times
+    order: list[int] = []
+    while columns.size:
+        single = counts == 1
+        unblocked = compute[single] @ matrix[single] if single.any() else np.zeros(columns.size)
+        min_plus = _min_plus(matrix, counts, sums)
+        times = transfer_times[columns]
+        group = np.where(times < unblocked, 0, 1)
+        value = np.where(group == 0, times, -unblocked)
+        candidates = np.flatnonzero(eligible[columns])
+        if candidates.size == 0:
+            raise ValueError("transfer precedences form a cycle")
+        best = candidates[np.lexsort((columns[candidates], tiebreak[columns[candidates]],
+                                      min_plus[candidates], value[candidates],
+                                      group[candidates]))[0]]
+        picked = int(columns[best])
+        order.append(picked)
+        for waiting in unblocks[picked]:
+            blockers[waiting] -= 1
+            eligible[waiting] = blockers[waiting] == 0
+        # Drop the picked column and the sets that no longer wait for anything.
+        in_set = matrix[:, best]
+        counts = counts - in_set
+        sums = sums - in_set * transfer_times[picked]
+        keep_rows = counts > 0
+        keep_columns = np.ones(columns.size, bool)
+        keep_columns[best] = False
+        matrix = matrix[keep_rows][:, keep_columns]
+        compute, counts, sums = compute[keep_rows], counts[keep_rows], sums[keep_rows]
+        columns = columns[keep_columns]
+    return order

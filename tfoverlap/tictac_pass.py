@@ -1,0 +1,196 @@
+"""The TicTac pass: order parameter-server transfers and enforce the order with control edges.
+
+Per destination (worker) device: find the transfers, compute TIC or TAC's order, then make
+the PS-side source of the transfer at position k+window wait for a worker-side *gate* of
+the transfer at position k: an op on the worker that consumes that transfer and needs no
+transfer ordered after it. The gate runs only once transfer k has arrived, so at most
+``window`` ordered transfers are outstanding; since each gate needs only earlier
+transfers, the edges can never close a cycle.
+"""
+from __future__ import annotations
+
+import logging
+
+from tfoverlap.cost_model import ProfileError, estimate_transfer_seconds, load_profile
+from tfoverlap.graph_model import DeviceMatcher, GraphModel, tensor_bytes
+from tfoverlap.passes import PassContext, PassResult
+from tfoverlap.rewriters.control_edges import add_ordering_edges, strip_ordering_edges
+from tfoverlap.schedulers.tictac import group_dependency_sets, tac_order, tic_order
+from tfoverlap.transfers import Transfer, find_transfers
+
+__all__ = ["tictac_pass", "plan_transfer_order"]
+
+logger = logging.getLogger("tfoverlap")
+_estimate_notes: set[str] = set()
+
+
+def _dependency_bits(model: GraphModel, topological: list[int],
+                     transfers: list[Transfer]) -> list[int]:
+    """For every node, the bitset of transfers it needs, directly or transitively."""
+    direct = [0] * model.num_nodes
+    for index, transfer in enumerate(transfers):
+        for consumer in transfer.consumers:
+            direct[consumer] |= 1 << index
+    bits = [0] * model.num_nodes
+    for node in topological:
+        value = direct[node]
+        for pred in model.predecessors(node):
+            value |= bits[pred]
+        bits[node] = value
+    return bits
+
+
+class _Costs:
+    """Transfer and compute times for TAC: the profile first, estimates for the rest."""
+
+    def __init__(self, graph_def, model: GraphModel, context: PassContext):
+        self.options = context.options
+        self.profile = load_profile(self.options.profile) if self.options.profile else None
+        self.graph_def, self.model = graph_def, model
+        self.estimated_transfers = 0
+        self.estimated_ops = 0
+
+    def check_matches(self, transfers: list[Transfer]) -> None:
+        if self.profile is None:
+            return
+        names = [self.model.names[t.source] for t in transfers]
+        known = sum(name in self.profile.transfer_seconds for name in names)
+        if known * 2 < len(names):
+            raise ProfileError(
+                f"profile {self.options.profile!r} does not match this graph: only {known} "
+                f"of its {len(names)} transfers (e.g. {names[0]!r}) are in the profile; "
+                "profile this model again")
+
+    def transfer_seconds(self, transfer: Transfer) -> float:
+        name = self.model.names[transfer.source]
+        if self.profile is not None and name in self.profile.transfer_seconds:
+            return self.profile.transfer_seconds[name]
+        self.estimated_transfers += 1
+        size = sum(tensor_bytes(self.graph_def, self.model, transfer.source, slot) or 0
+                   for slot in transfer.slots) or None
+        return estimate_transfer_seconds(size, self.options.bandwidth)
+
+    def op_seconds(self, node: int) -> float:
+        if self.profile is not None and self.model.names[node] in self.profile.op_seconds:
+            return self.profile.op_seconds[self.model.names[node]]
+        self.estimated_ops += 1
+        return 0.0
+
+    def note_estimates(self) -> None:
+        if not (self.estimated_transfers or self.estimated_ops):
+            return
+        source = (f"profile {self.options.profile!r}" if self.profile is not None
+                  else "no profile given")
+        message = (f"tfoverlap: TAC {source}: estimated {self.estimated_transfers} transfer "
+                   f"times from size/bandwidth and {self.estimated_ops} op times as zero")
+        if message not in _estimate_notes:
+            _estimate_notes.add(message)
+            logger.warning(message)
+
+
+def plan_transfer_order(graph_def, context: PassContext):
+    """The plan of the pass without the rewrite (the CLI's ``schedule`` shows it).
+
+    Returns (model, transfers, {destination: [transfer index in order]},
+    [(gate node, source node)] edges, notes dict).
+    """
+    options = context.options
+    model = GraphModel.from_graph_def(graph_def)
+    is_ps = DeviceMatcher(options.ps_devices)
+    transfers = sorted(find_transfers(model, is_ps), key=lambda t: (t.destination, t.source))
+    if not transfers:
+        return model, [], {}, [], {}
+    topological = model.topological_order()
+    position = [0] * model.num_nodes
+    for rank, node in enumerate(topological):
+        position[node] = rank
+    bits = _dependency_bits(model, topological, transfers)
+    costs = _Costs(graph_def, model, context) if options.schedule == "tac" else None
+    if costs is not None:
+        costs.check_matches(transfers)
+
+    destinations_of_source: dict[int, set[str]] = {}
+    for transfer in transfers:
+        destinations_of_source.setdefault(transfer.source, set()).add(transfer.destination)
+
+    orders: dict[str, list[int]] = {}
+    edges: list[tuple[int, int]] = []
+    shared_sources = 0
+    start = 0
+    while start < len(transfers):
+        destination = transfers[start].destination
+        stop = start
+        while stop < len(transfers) and transfers[stop].destination == destination:
+            stop += 1
+        local = transfers[start:stop]
+        mask = (1 << (stop - start)) - 1
+
+        def local_bits(node: int, start=start, mask=mask) -> int:
+            return (bits[node] >> start) & mask
+
+        ops = [v for v in range(model.num_nodes) if model.devices[v] == destination]
+        op_bits = [local_bits(v) for v in ops]
+        source_bits = [local_bits(t.source) for t in local]
+        tiebreak = [min(position[c] for c in t.consumers) for t in local]
+        if costs is None:
+            sets = group_dependency_sets(op_bits, None, len(local))
+            order = tic_order(sets, source_bits, tiebreak)
+        else:
+            sets = group_dependency_sets(op_bits, [costs.op_seconds(v) for v in ops], len(local))
+            order = tac_order(sets, [costs.transfer_seconds(t) for t in local], source_bits,
+                              tiebreak)
+        orders[destination] = [start + t for t in order]
+
+        # Gates: the earliest consumer of transfer order[k] that needs nothing later.
+        allowed = 0
+        gate_so_far: list[int | None] = []
+        for t in order:
+            allowed |= 1 << t
+            valid = [c for c in local[t].consumers if local_bits(c) & ~allowed == 0]
+            gate = min(valid, key=position.__getitem__) if valid else None
+            gate_so_far.append(gate if gate is not None else
+                               (gate_so_far[-1] if gate_so_far else None))
+        for k in range(options.window, len(order)):
+            gate = gate_so_far[k - options.window]
+            target = local[order[k]].source
+            if gate is None:
+                continue
+            if len(destinations_of_source[target]) > 1:
+                shared_sources += 1
+                continue
+            edges.append((gate, target))
+        start = stop
+
+    notes = {}
+    if shared_sources:
+        notes["sources_feeding_several_workers_not_gated"] = shared_sources
+    if costs is not None:
+        costs.note_estimates()
+        notes["estimated_transfer_times"] = costs.estimated_transfers
+        notes["estimated_op_times"] = costs.estimated_ops
+    return model, transfers, orders, edges, notes
+
+
+def tictac_pass(graph_def, context: PassContext) -> PassResult:
+    """Orders PS transfers (TIC or TAC) and enforces the order with control edges."""
+    clean, stripped = strip_ordering_edges(graph_def)
+    model, transfers, orders, edges, notes = plan_transfer_order(clean, context)
+    if not transfers:
+        logger.info("tfoverlap: graph %s has no transfer from a parameter-server device (%s); "
+                    "nothing to order", context.item_id or "", context.options.ps_devices)
+        return PassResult(clean, modified=stripped > 0, summary={"transfers": 0})
+    named_edges = [(model.names[gate], model.names[target]) for gate, target in edges]
+    rewritten, added = add_ordering_edges(clean, named_edges)
+    summary = {
+        "schedule": context.options.schedule,
+        "window": context.options.window,
+        "transfers": len(transfers),
+        "order": {destination: [model.names[transfers[t].source] for t in order]
+                  for destination, order in orders.items()},
+        "ordering_edges": added,
+        **notes,
+    }
+    # Unchanged means: the same edges that were stripped were added back.
+    modified = rewritten.SerializeToString(deterministic=True) != graph_def.SerializeToString(
+        deterministic=True)
+    return PassResult(rewritten if modified else graph_def, modified=modified, summary=summary)
