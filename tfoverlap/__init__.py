@@ -10,10 +10,11 @@ from tfoverlap.config import (enable_for_tf_function, rewriter_config_text, sess
 from tfoverlap.options import Options
 from tfoverlap.passes import PassFailure, Report
 from tfoverlap.plugin import load, recent_reports
+from tfoverlap.profiling import profile
 
 __version__ = "0.1.0"
 __all__ = ["optimize", "session_config", "rewriter_config_text", "tf_function_options",
            "enable_for_tf_function", "Options", "Report", "PassFailure", "load",
-           "recent_reports"]
+           "recent_reports", "profile"]
 
 load()

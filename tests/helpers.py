@@ -1,0 +1,43 @@
+"""Shared pieces of the test suite."""
+import subprocess
+import sys
+
+import tensorflow as tf
+
+import tfoverlap
+from tfoverlap.trace import op_start_order
+
+LOCAL_PS = "/device:CPU:1"
+
+
+def local_config(**options):
+    """A single-process session with two CPU devices; CPU:1 plays the parameter server."""
+    base = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+    if not options:
+        return base
+    return tfoverlap.session_config(base, ps_devices=LOCAL_PS, **options)
+
+
+def traced_run(session, fetches):
+    metadata = tf.compat.v1.RunMetadata()
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    value = session.run(fetches, options=options, run_metadata=metadata)
+    return value, metadata
+
+
+def latest_report_with_transfers():
+    for report in reversed(tfoverlap.recent_reports()):
+        for entry in report.passes:
+            if entry.summary.get("transfers"):
+                return report, entry
+    raise AssertionError("no TfOverlap report with transfers was recorded")
+
+
+def observed_local_order(metadata, read_names):
+    return op_start_order(metadata, "CPU:1", read_names)
+
+
+def run_python(code: str, timeout: float = 240):
+    """Runs ``code`` in a fresh interpreter (for process-global TensorFlow state)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)

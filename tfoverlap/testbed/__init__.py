@@ -1,0 +1,1 @@
+"""The testbed: local clusters, models and measurements for tests and benchmarks."""

@@ -1,0 +1,90 @@
+"""Reading what happened in a step from ``RunMetadata.step_stats``.
+
+In distributed runs the receiving device's step stats hold one ``RecvTensor`` event per
+transfer, labelled "[1.0MB] [3.5Gb/s] edge_9_<source node> from <device> to <device>".
+These are the *observed* transfers that tests and benchmarks check orders against.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+__all__ = ["RecvEvent", "recv_events", "observed_transfer_order", "op_durations",
+           "op_start_order"]
+
+_RECV_LABEL = re.compile(
+    r"\[(?P<size>[0-9.]+)(?P<unit>[KMG]?B)\].*?edge_\d+_(?P<source>\S+?)(?::\d+)? from "
+    r"(?P<src>\S+) to (?P<dst>\S+)")
+_UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvEvent:
+    source: str          # the producing node's name
+    source_device: str
+    destination_device: str
+    bytes: int
+    start_micros: int
+    duration_micros: int
+
+
+def _step_stats(run_metadata_or_step_stats):
+    return getattr(run_metadata_or_step_stats, "step_stats", run_metadata_or_step_stats)
+
+
+def recv_events(run_metadata) -> list[RecvEvent]:
+    """All RecvTensor events of a traced step, by start time."""
+    events = []
+    for device_stats in _step_stats(run_metadata).dev_stats:
+        for node in device_stats.node_stats:
+            if node.node_name != "RecvTensor":
+                continue
+            match = _RECV_LABEL.search(node.timeline_label)
+            if match is None:
+                continue
+            size = int(float(match.group("size")) * _UNITS[match.group("unit")])
+            events.append(RecvEvent(match.group("source"), match.group("src"),
+                                    match.group("dst"), size, node.all_start_micros,
+                                    node.all_end_rel_micros))
+    events.sort(key=lambda e: (e.start_micros, e.source))
+    return events
+
+
+def observed_transfer_order(run_metadata, destination_job: str = "worker",
+                            min_bytes: int = 1) -> list[str]:
+    """Source names of the data transfers into ``destination_job``, in start order.
+
+    Zero-byte events (control messages of cross-device control edges) are left out.
+    """
+    return [e.source for e in recv_events(run_metadata)
+            if f"/job:{destination_job}/" in e.destination_device and e.bytes >= min_bytes]
+
+
+def op_durations(run_metadata, device_filter: str = "") -> dict[str, int]:
+    """Compute time (op start to op end, microseconds) per node on matching devices."""
+    durations = {}
+    for device_stats in _step_stats(run_metadata).dev_stats:
+        if device_filter not in device_stats.device:
+            continue
+        for node in device_stats.node_stats:
+            if node.node_name in ("RecvTensor", "_SOURCE", "_SINK"):
+                continue
+            durations[node.node_name] = max(
+                0, node.op_end_rel_micros - node.op_start_rel_micros)
+    return durations
+
+
+def op_start_order(run_metadata, device_filter: str, names) -> list[str]:
+    """Which of ``names`` ran on a matching device, in the order they started.
+
+    For single-process sessions, where transfers between devices leave no RecvTensor
+    event, the start order of the PS-side reads is the observed transfer order.
+    """
+    wanted = set(names)
+    starts = {}
+    for device_stats in _step_stats(run_metadata).dev_stats:
+        if device_filter in device_stats.device:
+            for node in device_stats.node_stats:
+                if node.node_name in wanted:
+                    starts[node.node_name] = node.all_start_micros
+    return sorted(starts, key=lambda name: (starts[name], name))
