@@ -17,6 +17,9 @@ __all__ = [
 
 # Edges out of these ops close TF1 while loops; they are not ordering constraints.
 LOOP_BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
+# Producers whose outputs are resource handles rather than data.
+RESOURCE_HANDLE_OPS = frozenset({"VarHandleOp", "_VarHandlesOp", "HashTableV2",
+                                 "MutableHashTableV2"})
 
 
 class GraphError(ValueError):
@@ -138,6 +141,21 @@ class GraphModel:
     @property
     def num_nodes(self) -> int:
         return len(self.names)
+
+    def colocated_devices(self) -> list[str]:
+        """Devices as TensorFlow's placer will see them for resource variables.
+
+        An op that takes a resource handle runs where the resource lives, whatever device
+        it asked for (a ReadVariableOp built under a worker's device scope still reads on
+        the PS). Graphs that Grappler sees are placed already; offline graphs may not be.
+        """
+        devices = list(self.devices)
+        for node in range(self.num_nodes):
+            for producer, _ in self.data_inputs[node]:
+                if self.ops[producer] in RESOURCE_HANDLE_OPS and self.devices[producer]:
+                    devices[node] = self.devices[producer]
+                    break
+        return devices
 
     def predecessors(self, node: int) -> list[int]:
         """Data and control producers of ``node``, loop back-edges excluded."""

@@ -97,7 +97,9 @@ def plan_transfer_order(graph_def, context: PassContext):
     options = context.options
     model = GraphModel.from_graph_def(graph_def)
     is_ps = DeviceMatcher(options.ps_devices)
-    transfers = sorted(find_transfers(model, is_ps), key=lambda t: (t.destination, t.source))
+    devices = model.colocated_devices()
+    transfers = sorted(find_transfers(model, devices, is_ps),
+                       key=lambda t: (t.destination, t.source))
     if not transfers:
         return model, [], {}, [], {}
     topological = model.topological_order()
@@ -128,7 +130,7 @@ def plan_transfer_order(graph_def, context: PassContext):
         def local_bits(node: int, start=start, mask=mask) -> int:
             return (bits[node] >> start) & mask
 
-        ops = [v for v in range(model.num_nodes) if model.devices[v] == destination]
+        ops = [v for v in range(model.num_nodes) if devices[v] == destination]
         op_bits = [local_bits(v) for v in ops]
         source_bits = [local_bits(t.source) for t in local]
         tiebreak = [min(position[c] for c in t.consumers) for t in local]

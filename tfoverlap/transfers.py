@@ -10,13 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from tfoverlap.graph_model import GraphModel
+from tfoverlap.graph_model import RESOURCE_HANDLE_OPS, GraphModel
 
 __all__ = ["Transfer", "find_transfers"]
-
-# Producers whose outputs are resource handles, not parameter data.
-_HANDLE_OPS = frozenset({"VarHandleOp", "_VarHandlesOp", "HashTableV2", "MutableHashTableV2"})
-
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
@@ -34,19 +30,21 @@ class Transfer:
     consumers: tuple[int, ...]
 
 
-def find_transfers(model: GraphModel, is_ps_device: Callable[[str], bool]) -> list[Transfer]:
+def find_transfers(model: GraphModel, devices: list[str],
+                   is_ps_device: Callable[[str], bool]) -> list[Transfer]:
     """All PS-to-worker data edges, grouped by (source, destination device), in node order.
 
-    A consumer counts if its device is not a PS device (an unplaced consumer, device "",
+    ``devices`` are the nodes' devices as placed (see GraphModel.colocated_devices). A
+    consumer counts if its device is not a PS device (an unplaced consumer, device "",
     counts as a worker: offline graphs are often placed only on the PS side).
     """
     found: dict[tuple[int, str], tuple[dict, dict]] = {}
     for consumer in range(model.num_nodes):
-        consumer_device = model.devices[consumer]
+        consumer_device = devices[consumer]
         if is_ps_device(consumer_device):
             continue
         for source, slot in model.data_inputs[consumer]:
-            if model.ops[source] in _HANDLE_OPS or not is_ps_device(model.devices[source]):
+            if model.ops[source] in RESOURCE_HANDLE_OPS or not is_ps_device(devices[source]):
                 continue
             slots, consumers = found.setdefault((source, consumer_device), ({}, {}))
             slots[slot] = None

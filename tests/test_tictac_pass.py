@@ -1,0 +1,152 @@
+"""The TicTac pass on real GraphDefs, offline: structure, invariants, idempotency, bad input."""
+import json
+import logging
+
+import pytest
+import tensorflow as tf
+
+import tfoverlap
+from tfoverlap.graph_model import GraphModel, verify_graph_def
+from tfoverlap.rewriters.control_edges import GATES_ATTR
+from tfoverlap.testbed.models import chain_model
+
+
+def chain_graph_def(num_layers=16, **kwargs):
+    return chain_model(num_layers=num_layers, width=32, batch=4, **kwargs).graph.as_graph_def()
+
+
+def layer_of(name, graph_def):
+    """Which layer's kernel a transfer source reads (follows the read to the variable)."""
+    model = GraphModel.from_graph_def(graph_def)
+    node = model.index[name]
+    while "kernel" not in model.names[node] or model.ops[node] not in (
+            "VarHandleOp", "VariableV2"):
+        node = model.data_inputs[node][0][0]
+    return int(model.names[node].split("/")[0].removeprefix("layer"))
+
+
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
+@pytest.mark.parametrize("schedule", ["tic", "tac"])
+def test_chain_is_ordered_front_to_back(use_resource, schedule):
+    graph_def = chain_graph_def(use_resource=use_resource)
+    new, report = tfoverlap.optimize(graph_def, schedule=schedule)
+    (summary,) = [p.summary for p in report.passes]
+    (order,) = summary["order"].values()
+    assert [layer_of(name, graph_def) for name in order] == list(range(16))
+    assert summary["ordering_edges"] == 15
+    verify_graph_def(new)
+
+
+@pytest.mark.parametrize("num_ps", [1, 2])
+@pytest.mark.parametrize("window", [1, 3])
+def test_rewrite_keeps_every_dependency_and_adds_only_marked_edges(num_ps, window):
+    graph_def = chain_graph_def(num_ps=num_ps, training=True)
+    original = graph_def.SerializeToString()
+    new, report = tfoverlap.optimize(graph_def, schedule="tic", window=window)
+    assert graph_def.SerializeToString() == original, "the input was modified"
+    assert report.modified
+    old_nodes = {n.name: n for n in graph_def.node}
+    added = 0
+    for node in new.node:
+        before = list(old_nodes[node.name].input)
+        assert list(node.input[:len(before)]) == before
+        extra = list(node.input[len(before):])
+        marked = ["^" + s.decode() for s in node.attr[GATES_ATTR].list.s] if extra else []
+        assert extra == marked
+        added += len(extra)
+    assert added == report.passes[0].summary["ordering_edges"] == 16 - window
+    verify_graph_def(new)
+
+
+def test_second_run_changes_nothing():
+    graph_def = chain_graph_def(training=True)
+    once, _ = tfoverlap.optimize(graph_def, schedule="tic")
+    twice, report = tfoverlap.optimize(once, schedule="tic")
+    assert not report.modified
+    assert twice.SerializeToString() == once.SerializeToString()
+
+
+def test_replanning_replaces_earlier_edges():
+    graph_def = chain_graph_def()
+    ordered, _ = tfoverlap.optimize(graph_def, schedule="tic", window=2)
+    reordered, _ = tfoverlap.optimize(ordered, schedule="tic", window=1)
+    direct, _ = tfoverlap.optimize(graph_def, schedule="tic", window=1)
+    assert reordered.SerializeToString(deterministic=True) == direct.SerializeToString(
+        deterministic=True)
+
+
+def test_graph_without_transfers_is_unchanged_with_an_info_line(caplog):
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.reduce_sum(tf.ones([2, 2]))
+    graph_def = graph.as_graph_def()
+    caplog.set_level(logging.INFO, logger="tfoverlap")
+    new, report = tfoverlap.optimize(graph_def)
+    assert new is graph_def and not report.modified
+    assert sum("no transfer from a parameter-server device" in r.getMessage()
+               for r in caplog.records) == 1
+
+
+def test_gates_never_wait_for_later_transfers_in_shared_consumers():
+    """An op that needs two transfers cannot gate the second of them (a cycle)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/job:ps/task:0"):
+            a, b, c = (tf.compat.v1.get_variable(name, [8, 8], use_resource=False)
+                       for name in "abc")
+        with tf.device("/job:worker/task:0"):
+            first = tf.matmul(tf.ones([2, 8]), a, name="first")
+            tf.reduce_sum(tf.matmul(first, tf.matmul(b, c, name="b_times_c")))
+    new, report = tfoverlap.optimize(graph.as_graph_def(), schedule="tic")
+    verify_graph_def(new)
+    (order,) = report.passes[0].summary["order"].values()
+    # TIC: b and c unblock an op with two transfers (M+ 2), a only with three.
+    assert set(order[:2]) == {"b/read", "c/read"} and order[2] == "a/read"
+    # The first of b, c has no valid gate (its consumer needs the second); the second's
+    # transfer is therefore not gated, and b_times_c gates a.
+    gates = {n.name: [g.decode() for g in n.attr[GATES_ATTR].list.s] for n in new.node
+             if GATES_ATTR in n.attr}
+    assert gates == {"a/read": ["b_times_c"]}
+
+
+def write_profile(path, op_seconds, transfer_seconds):
+    path.write_text(json.dumps({"format": "tfoverlap-profile", "version": 1, "steps": 1,
+                                "op_seconds": op_seconds, "transfer_seconds": transfer_seconds,
+                                "transfer_bytes": {}}))
+
+
+def test_profile_of_another_graph_warns_and_changes_nothing(tmp_path, caplog):
+    path = tmp_path / "other.json"
+    write_profile(path, {"conv1": 0.1}, {"resnet/conv1/read": 0.2, "resnet/fc/read": 0.3})
+    graph_def = chain_graph_def()
+    caplog.set_level(logging.WARNING, logger="tfoverlap")
+    new, report = tfoverlap.optimize(graph_def, schedule="tac", profile=str(path))
+    assert new is graph_def and not report.modified and report.reverted
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "does not match this graph" in message and "profile this model again" in message
+
+
+def test_tac_uses_profile_times(tmp_path):
+    """Two independent layers: TAC sends first the one that unblocks more compute per byte."""
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/job:ps/task:0"):
+            small = tf.compat.v1.get_variable("small", [4, 4], use_resource=False)
+            big = tf.compat.v1.get_variable("big", [4, 4], use_resource=False)
+        with tf.device("/job:worker/task:0"):
+            left = tf.matmul(tf.ones([2, 4]), small, name="left")
+            right = tf.matmul(tf.ones([2, 4]), big, name="right")
+            tf.add(tf.reduce_sum(left), tf.reduce_sum(right), name="total")
+    graph_def = graph.as_graph_def()
+    path = tmp_path / "profile.json"
+
+    def order_with(left_compute, right_compute):
+        write_profile(path, {"left": left_compute, "right": right_compute},
+                      {"small/read": 1.0, "big/read": 1.0})
+        _, report = tfoverlap.optimize(graph_def, schedule="tac", profile=str(path))
+        (order,) = report.passes[0].summary["order"].values()
+        return order
+
+    # Equal transfer times: the transfer that unblocks the longer compute goes first.
+    assert order_with(5.0, 1.0) == ["small/read", "big/read"]
+    assert order_with(1.0, 5.0) == ["big/read", "small/read"]
