@@ -83,8 +83,17 @@ class Report:
                 "modified" if report.modified else "no change")
             lines.append(f"  pass {report.name}: {state}")
             for key, value in report.summary.items():
-                lines.append(f"    {key}: {value}")
+                lines.append(f"    {key}: {_shorten(value)}")
         return "\n".join(lines)
+
+
+def _shorten(value, limit: int = 6):
+    """Long lists in a human-readable report: the first few and a count."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shorten(v, limit)}" for k, v in value.items()) + "}"
+    if isinstance(value, list) and len(value) > limit:
+        return "[" + ", ".join(map(str, value[:limit])) + f", ... ({len(value)} in all)]"
+    return value
 
 
 class PassFailure(RuntimeError):
