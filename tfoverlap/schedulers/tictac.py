@@ -70,11 +70,19 @@ def group_dependency_sets(op_dependencies: Sequence[int], op_times: Sequence[flo
 
 
 def _min_plus(matrix: np.ndarray, counts: np.ndarray, sums: np.ndarray) -> np.ndarray:
-    """M+ per column: min of ``sums`` over rows with counts > 1 that contain the column."""
-    multi = counts > 1
-    if not multi.any():
+    """M+ per column: min of ``sums`` over rows with counts > 1 that contain the column.
+
+    Rows are visited cheapest first, so each column's M+ is the sum of the first row that
+    contains it: a short-circuiting argmax over bools instead of a K x R float minimum.
+    """
+    multi = np.flatnonzero(counts > 1)
+    if multi.size == 0:
         return np.full(matrix.shape[1], np.inf)
-    return np.where(matrix[multi], sums[multi, None], np.inf).min(axis=0)
+    cheapest_first = multi[np.argsort(sums[multi], kind="stable")]
+    by_column = np.ascontiguousarray(matrix[cheapest_first].T)
+    first = by_column.argmax(axis=1)
+    contains = by_column[np.arange(by_column.shape[0]), first]
+    return np.where(contains, sums[cheapest_first][first], np.inf)
 
 
 def _precedence_counts(source_dependencies: Sequence[int], num_transfers: int):
@@ -140,46 +148,52 @@ def tac_order(sets: DependencySets, transfer_times: Sequence[float],
 
     Key per candidate r: (0, M_r) if M_r < P_r (a transfer that unblocks more compute than
     it costs goes early, shortest first), else (1, -P_r) (longest compute first); ties by
-    smaller M+, then ``tiebreak``, then index. P and M+ are recomputed after every pick.
+    smaller M+, then ``tiebreak``, then index. P and M+ are recomputed after every pick;
+    M+ only for the candidates tied on Johnson's key, since it only breaks those ties.
     """
     num = sets.num_transfers
     transfer_times = np.asarray(transfer_times, float)
     tiebreak = np.zeros(num) if tiebreak is None else np.asarray(tiebreak, float)
     blockers, unblocks = _precedence_counts(source_dependencies or [0] * num, num)
     eligible = np.array([b == 0 for b in blockers])
+    outstanding = np.ones(num, bool)
 
-    matrix = sets.matrix
+    matrix = sets.matrix.copy()
     compute = sets.compute
-    columns = np.arange(num)          # original transfer id of each remaining column
+    columns = np.arange(num)          # original transfer id of each column of ``matrix``
     counts = matrix.sum(axis=1)
     sums = matrix.astype(float) @ transfer_times
     order: list[int] = []
-    while columns.size:
+    while len(order) < num:
         single = counts == 1
         unblocked = compute[single] @ matrix[single] if single.any() else np.zeros(columns.size)
-        min_plus = _min_plus(matrix, counts, sums)
         times = transfer_times[columns]
         group = np.where(times < unblocked, 0, 1)
         value = np.where(group == 0, times, -unblocked)
-        candidates = np.flatnonzero(eligible[columns])
-        if candidates.size == 0:
+        tied = np.flatnonzero(eligible[columns] & outstanding[columns])
+        if tied.size == 0:
             raise ValueError("transfer precedences form a cycle")
-        best = candidates[np.lexsort((columns[candidates], tiebreak[columns[candidates]],
-                                      min_plus[candidates], value[candidates],
-                                      group[candidates]))[0]]
+        tied = tied[group[tied] == group[tied].min()]
+        tied = tied[value[tied] == value[tied].min()]
+        if tied.size > 1:
+            min_plus = _min_plus(matrix[:, tied], counts, sums)
+            tied = tied[np.lexsort((columns[tied], tiebreak[columns[tied]], min_plus))]
+        best = tied[0]
         picked = int(columns[best])
         order.append(picked)
+        outstanding[picked] = False
         for waiting in unblocks[picked]:
             blockers[waiting] -= 1
             eligible[waiting] = blockers[waiting] == 0
-        # Drop the picked column and the sets that no longer wait for anything.
-        in_set = matrix[:, best]
+        in_set = matrix[:, best].copy()
         counts = counts - in_set
         sums = sums - in_set * transfer_times[picked]
-        keep_rows = counts > 0
-        keep_columns = np.ones(columns.size, bool)
-        keep_columns[best] = False
-        matrix = matrix[keep_rows][:, keep_columns]
-        compute, counts, sums = compute[keep_rows], counts[keep_rows], sums[keep_rows]
-        columns = columns[keep_columns]
+        matrix[:, best] = False
+        # Compact now and then: drop picked columns and satisfied sets.
+        if 2 * (num - len(order)) < columns.size or 2 * np.count_nonzero(counts) < counts.size:
+            keep_rows = counts > 0
+            keep_columns = outstanding[columns]
+            matrix = matrix[keep_rows][:, keep_columns]
+            compute, counts, sums = compute[keep_rows], counts[keep_rows], sums[keep_rows]
+            columns = columns[keep_columns]
     return order

@@ -1,0 +1,65 @@
+"""How long the TicTac pass takes on a large real graph (issue goal: TIC < 1 s, TAC < 2 s).
+
+Builds Keras ResNet-152 (no weights) as a TF1 training graph with its variables spread over
+PS tasks by replica_device_setter, then times ``tfoverlap.optimize`` (plan + rewrite +
+verification, the same code the plugin runs) for TIC and TAC, interleaved, and prints
+medians and spreads.
+
+    .venv/bin/python scripts/bench_pass_speed.py [--model resnet152] [--ps 2] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def build_training_graph(model_name: str, num_ps: int, batch: int = 8):
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        setter = tf.compat.v1.train.replica_device_setter(
+            ps_tasks=num_ps, worker_device="/job:worker/task:0")
+        with tf.compat.v1.device(setter):
+            application = getattr(tf.keras.applications, model_name)
+            model = application(weights=None, input_shape=(224, 224, 3), classes=1000)
+            images = tf.random.uniform([batch, 224, 224, 3])
+            labels = tf.random.uniform([batch], maxval=1000, dtype=tf.int32)
+            logits = model(images, training=True)
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                labels, logits))
+            tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(
+                loss, var_list=model.trainable_variables)
+    return graph.as_graph_def(), len(model.trainable_variables)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="ResNet152")
+    parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import tfoverlap
+    started = time.perf_counter()
+    graph_def, num_trainable = build_training_graph(args.model, args.ps)
+    print(f"{args.model}: {len(graph_def.node)} nodes, {num_trainable} trainable variables "
+          f"on {args.ps} PS tasks (built in {time.perf_counter() - started:.1f} s)")
+    timings: dict[str, list[float]] = {"tic": [], "tac": []}
+    summaries = {}
+    for _ in range(args.repeats):
+        for schedule in timings:  # interleaved
+            start = time.perf_counter()
+            _, report = tfoverlap.optimize(graph_def, schedule=schedule)
+            timings[schedule].append(time.perf_counter() - start)
+            summaries[schedule] = report.passes[0].summary
+    print(f"{'schedule':<9}{'transfers':>10}{'edges':>7}{'median s':>10}{'min s':>8}{'max s':>8}")
+    for schedule, values in timings.items():
+        summary = summaries[schedule]
+        print(f"{schedule:<9}{summary['transfers']:>10}{summary['ordering_edges']:>7}"
+              f"{statistics.median(values):>10.3f}{min(values):>8.3f}{max(values):>8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
