@@ -99,6 +99,8 @@ def main(argv=None) -> int:
             "default": base,
             "tf recv_scheduling": recv_scheduling,
             "tic": tfoverlap.session_config(base, schedule="tic"),
+            "tic consumer-gate": tfoverlap.session_config(base, schedule="tic", gate="consumer"),
+            "tic window 2": tfoverlap.session_config(base, schedule="tic", window=2),
             "tac": tfoverlap.session_config(base, schedule="tac", profile=profile_path),
         }
         sessions = {name: tf.compat.v1.Session(server.target, graph=model.graph, config=config)

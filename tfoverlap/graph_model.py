@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 __all__ = [
     "GraphError", "GraphModel", "parse_input", "parse_device_spec", "DeviceMatcher",
-    "verify_graph_def",
+    "verify_graph_def", "output_dtype", "tensor_bytes",
 ]
 
 # Edges out of these ops close TF1 while loops; they are not ordering constraints.
@@ -246,6 +246,14 @@ def _shape_elements(shape_proto) -> int | None:
     return elements
 
 
+def output_dtype(node_def) -> int | None:
+    """DataType enum of a node's (first) output from its type attr, refs as plain types."""
+    for key in ("dtype", "T", "out_type"):
+        if key in node_def.attr and node_def.attr[key].WhichOneof("value") == "type":
+            return node_def.attr[key].type % 100
+    return None
+
+
 def tensor_bytes(graph_def, model: GraphModel, node: int, slot: int = 0) -> int | None:
     """Static size of output ``slot`` of ``node`` in bytes, or None if unknown.
 
@@ -255,11 +263,7 @@ def tensor_bytes(graph_def, model: GraphModel, node: int, slot: int = 0) -> int 
     for _ in range(8):
         node_def = graph_def.node[node]
         attrs = node_def.attr
-        dtype = None
-        for key in ("dtype", "T"):
-            if key in attrs and attrs[key].WhichOneof("value") == "type":
-                dtype = attrs[key].type % 100
-                break
+        dtype = output_dtype(node_def)
         if "_output_shapes" in attrs and dtype is not None:
             shapes = attrs["_output_shapes"].list.shape
             if slot < len(shapes):

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 __all__ = ["Options", "parse_options", "parse_bandwidth", "OPTION_NAMES"]
 
 SCHEDULES = ("tic", "tac", "none")
+GATES = ("arrival", "consumer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Options:
     schedule:    parameter-server transfer ordering: "tic" (from the DAG alone), "tac"
                  (from profiled or estimated times) or "none".
     window:      how many ordered transfers may be in flight at once (1 = strictly serial).
+    gate:        what releases the next transfer: "arrival" (a tiny worker-side Identity
+                 that runs when the previous transfer has arrived) or "consumer" (the first
+                 worker op that uses it, which also waits for its other inputs).
     ps_devices:  comma-separated device specs whose nodes are parameter servers; a device
                  matches when every field the spec names agrees ("/job:ps" matches every
                  device of job ps, "/device:CPU:1" every CPU:1).
@@ -34,6 +38,7 @@ class Options:
 
     schedule: str = "tic"
     window: int = 1
+    gate: str = "arrival"
     ps_devices: str = "/job:ps"
     profile: str = ""
     bandwidth: float = 125e6
@@ -122,6 +127,10 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             value = str(value).lower()
             if value not in SCHEDULES:
                 raise ValueError(f"option 'schedule' must be one of {SCHEDULES}, got {value!r}")
+        elif name == "gate":
+            value = str(value).lower()
+            if value not in GATES:
+                raise ValueError(f"option 'gate' must be one of {GATES}, got {value!r}")
         elif name == "window":
             value = _as_int(name, value)
             if value < 1:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 
 from tfoverlap.cost_model import ProfileError, estimate_transfer_seconds, load_profile
-from tfoverlap.graph_model import DeviceMatcher, GraphModel, tensor_bytes
+from tfoverlap.graph_model import DeviceMatcher, GraphModel, output_dtype, tensor_bytes
 from tfoverlap.passes import PassContext, PassResult
-from tfoverlap.rewriters.control_edges import add_ordering_edges, strip_ordering_edges
+from tfoverlap.rewriters.control_edges import (ARRIVAL_PREFIX, ArrivalNode, add_ordering_edges,
+                                               strip_ordering_edges)
 from tfoverlap.schedulers.tictac import group_dependency_sets, tac_order, tic_order
 from tfoverlap.transfers import Transfer, find_transfers
 
@@ -92,7 +93,7 @@ def plan_transfer_order(graph_def, context: PassContext):
     """The plan of the pass without the rewrite (the CLI's ``schedule`` shows it).
 
     Returns (model, transfers, {destination: [transfer index in order]},
-    [(gate node, source node)] edges, notes dict).
+    [(gate name, source name)] edges, [ArrivalNode] new gate nodes, notes dict).
     """
     options = context.options
     model = GraphModel.from_graph_def(graph_def)
@@ -101,7 +102,7 @@ def plan_transfer_order(graph_def, context: PassContext):
     transfers = sorted(find_transfers(model, devices, is_ps),
                        key=lambda t: (t.destination, t.source))
     if not transfers:
-        return model, [], {}, [], {}
+        return model, [], {}, [], [], {}
     topological = model.topological_order()
     position = [0] * model.num_nodes
     for rank, node in enumerate(topological):
@@ -116,7 +117,8 @@ def plan_transfer_order(graph_def, context: PassContext):
         destinations_of_source.setdefault(transfer.source, set()).add(transfer.destination)
 
     orders: dict[str, list[int]] = {}
-    edges: list[tuple[int, int]] = []
+    edges: list[tuple[str, str]] = []
+    arrivals: list[ArrivalNode] = []
     shared_sources = 0
     start = 0
     while start < len(transfers):
@@ -143,13 +145,27 @@ def plan_transfer_order(graph_def, context: PassContext):
                               tiebreak)
         orders[destination] = [start + t for t in order]
 
-        # Gates: the earliest consumer of transfer order[k] that needs nothing later.
+        # Gates: an arrival node of transfer order[k] or, failing that (or by option), the
+        # earliest consumer of it that needs no transfer ordered later.
         allowed = 0
-        gate_so_far: list[int | None] = []
-        for t in order:
+        gate_so_far: list[str | None] = []
+        for k, t in enumerate(order):
             allowed |= 1 << t
-            valid = [c for c in local[t].consumers if local_bits(c) & ~allowed == 0]
-            gate = min(valid, key=position.__getitem__) if valid else None
+            gate = None
+            source = graph_def.node[local[t].source]
+            dtype = output_dtype(source)
+            if options.gate == "arrival" and dtype is not None and k + options.window < len(order):
+                slot = local[t].slots[0]
+                arrival = ArrivalNode(
+                    name=f"{ARRIVAL_PREFIX}{len(orders) - 1}/{source.name}",
+                    tensor=source.name if slot == 0 else f"{source.name}:{slot}",
+                    device=destination, dtype=dtype)
+                arrivals.append(arrival)
+                gate = arrival.name
+            else:
+                valid = [c for c in local[t].consumers if local_bits(c) & ~allowed == 0]
+                if valid:
+                    gate = model.names[min(valid, key=position.__getitem__)]
             gate_so_far.append(gate if gate is not None else
                                (gate_so_far[-1] if gate_so_far else None))
         for k in range(options.window, len(order)):
@@ -160,7 +176,7 @@ def plan_transfer_order(graph_def, context: PassContext):
             if len(destinations_of_source[target]) > 1:
                 shared_sources += 1
                 continue
-            edges.append((gate, target))
+            edges.append((gate, model.names[target]))
         start = stop
 
     notes = {}
@@ -170,22 +186,23 @@ def plan_transfer_order(graph_def, context: PassContext):
         costs.note_estimates()
         notes["estimated_transfer_times"] = costs.estimated_transfers
         notes["estimated_op_times"] = costs.estimated_ops
-    return model, transfers, orders, edges, notes
+    return model, transfers, orders, edges, arrivals, notes
 
 
 def tictac_pass(graph_def, context: PassContext) -> PassResult:
     """Orders PS transfers (TIC or TAC) and enforces the order with control edges."""
     clean, stripped = strip_ordering_edges(graph_def)
-    model, transfers, orders, edges, notes = plan_transfer_order(clean, context)
+    model, transfers, orders, edges, arrivals, notes = plan_transfer_order(clean, context)
     if not transfers:
         logger.info("tfoverlap: graph %s has no transfer from a parameter-server device (%s); "
                     "nothing to order", context.item_id or "", context.options.ps_devices)
         return PassResult(clean, modified=stripped > 0, summary={"transfers": 0})
-    named_edges = [(model.names[gate], model.names[target]) for gate, target in edges]
-    rewritten, added = add_ordering_edges(clean, named_edges)
+    used = {gate for gate, _ in edges}
+    rewritten, added = add_ordering_edges(clean, edges, [a for a in arrivals if a.name in used])
     summary = {
         "schedule": context.options.schedule,
         "window": context.options.window,
+        "gate": context.options.gate,
         "transfers": len(transfers),
         "order": {destination: [model.names[transfers[t].source] for t in order]
                   for destination, order in orders.items()},
