@@ -42,6 +42,7 @@ def test_rewriter_config_text_parses_back():
     ({"schedul": "tic"}, "unknown tfoverlap option 'schedul'"),
     ({"schedule": "fastest"}, "option 'schedule' must be one of"),
     ({"window": 0}, "option 'window' must be at least 1"),
+    ({"gate": "sometimes"}, "option 'gate' must be one of"),
     ({"window": "two"}, "option 'window' must be an integer"),
     ({"window": 1.5}, "option 'window' must be an integer"),
     ({"bandwidth": -5}, "bandwidth must be positive"),
