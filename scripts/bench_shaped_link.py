@@ -13,6 +13,7 @@ errors or Ctrl-C; leftovers of a crashed run are removed first.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -29,7 +30,6 @@ def sh(*command: str, check: bool = True) -> None:
 
 
 def teardown() -> None:
-    sh("ip", "netns", "pids", NAMESPACE, check=False)
     pids = subprocess.run(["ip", "netns", "pids", NAMESPACE], capture_output=True,
                           text=True).stdout.split()
     for pid in pids:
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
     import tensorflow as tf
     import tfoverlap
-    from tfoverlap.testbed.cluster import _wait_listening, free_ports
+    from tfoverlap.testbed.cluster import free_ports, wait_listening
     from tfoverlap.testbed.models import chain_model
 
     ps_port, worker_port = free_ports(2)
@@ -77,11 +77,10 @@ def main(argv=None) -> int:
     setup(args.rate)
     ps = None
     try:
-        import json
         ps = subprocess.Popen(["ip", "netns", "exec", NAMESPACE, sys.executable, "-m",
                                "tfoverlap.testbed.cluster", json.dumps(spec), "ps", "0"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.0)
+        wait_listening(NS_ADDRESS, ps_port, ps, timeout=60)
         server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker",
                                       task_index=0, start=True)
         model = chain_model(args.layers, width=args.width, batch=args.batch,

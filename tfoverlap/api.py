@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from tfoverlap.options import parse_options
-from tfoverlap.passes import PassContext, Report, run_pipeline
+from tfoverlap.passes import PassContext, run_pipeline
 
 __all__ = ["optimize"]
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["free_ports", "LocalCluster", "serve"]
+__all__ = ["free_ports", "wait_listening", "LocalCluster", "serve"]
 
 
 def free_ports(count: int) -> list[int]:
@@ -31,18 +31,19 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _wait_listening(port: int, process: subprocess.Popen, timeout: float) -> None:
+def wait_listening(host: str, port: int, process: subprocess.Popen, timeout: float) -> None:
+    """Returns once ``host:port`` accepts connections; raises if ``process`` dies first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server process on port {port} exited with code "
+            raise RuntimeError(f"server process for {host}:{port} exited with code "
                                f"{process.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.1)
-    raise TimeoutError(f"no server listening on 127.0.0.1:{port} after {timeout:.0f} s")
+    raise TimeoutError(f"no server listening on {host}:{port} after {timeout:.0f} s")
 
 
 class LocalCluster:
@@ -54,7 +55,7 @@ class LocalCluster:
     """
 
     def __init__(self, num_ps: int = 1, num_workers: int = 1, spawn_workers: bool = False,
-                 start_timeout: float = 60.0, log_dir: str | None = None):
+                 start_timeout: float = 60.0):
         if num_ps < 1 or num_workers < 1:
             raise ValueError("a cluster needs at least one PS task and one worker")
         ports = free_ports(num_ps + num_workers)
@@ -62,7 +63,6 @@ class LocalCluster:
                      "worker": [f"127.0.0.1:{p}" for p in ports[num_ps:]]}
         self.spawn_workers = spawn_workers
         self.start_timeout = start_timeout
-        self.log_dir = log_dir
         self.processes: list[subprocess.Popen] = []
         self._servers = []
 
@@ -70,13 +70,9 @@ class LocalCluster:
         return "grpc://" + self.spec["worker"][worker]
 
     def _spawn(self, job: str, task: int) -> subprocess.Popen:
-        output = subprocess.DEVNULL
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            output = open(os.path.join(self.log_dir, f"{job}{task}.log"), "w")
         process = subprocess.Popen(
             [sys.executable, "-m", "tfoverlap.testbed.cluster", json.dumps(self.spec), job,
-             str(task)], stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+             str(task)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL",
                                                                        "2")})
         self.processes.append(process)
@@ -90,7 +86,7 @@ class LocalCluster:
             for job, task in jobs:
                 process = self._spawn(job, task)
                 port = int(self.spec[job][task].rsplit(":", 1)[1])
-                _wait_listening(port, process, self.start_timeout)
+                wait_listening("127.0.0.1", port, process, self.start_timeout)
         except BaseException:
             self.close()
             raise
