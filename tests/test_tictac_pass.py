@@ -3,6 +3,7 @@ import json
 import logging
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import tensorflow as tf
 
 import tfoverlap
@@ -155,3 +156,46 @@ def test_tac_uses_profile_times(tmp_path):
     # Equal transfer times: the transfer that unblocks the longer compute goes first.
     assert order_with(5.0, 1.0) == ["small/read", "big/read"]
     assert order_with(1.0, 5.0) == ["big/read", "small/read"]
+
+
+def random_ps_graph_def(seed, num_variables, num_ops, use_resource):
+    """Random worker DAG over PS variables: each op adds some earlier ops and variables."""
+    import random
+    rng = random.Random(seed)
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = []
+        for index in range(num_variables):
+            with tf.device(f"/job:ps/task:{index % 2}"):
+                variables.append(tf.compat.v1.get_variable(f"v{index}", [4, 4],
+                                                           use_resource=use_resource))
+        with tf.device("/job:worker/task:0"):
+            values = []
+            for index in range(num_ops):
+                pool = values + variables
+                picks = rng.sample(range(len(pool)), min(len(pool), rng.randint(1, 3)))
+                values.append(tf.add_n([tf.identity(pool[p]) for p in picks], name=f"op{index}"))
+            tf.add_n(values, name="total")
+    return graph.as_graph_def()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 12), st.integers(1, 25), st.booleans(),
+       st.sampled_from(["tic", "tac"]), st.integers(1, 3), st.sampled_from(["arrival", "consumer"]))
+def test_random_graphs_stay_acyclic_and_keep_every_dependency(seed, num_variables, num_ops,
+                                                              use_resource, schedule, window,
+                                                              gate):
+    graph_def = random_ps_graph_def(seed, num_variables, num_ops, use_resource)
+    new, report = tfoverlap.optimize(graph_def, schedule=schedule, window=window, gate=gate,
+                                     strict=True)
+    verify_graph_def(new)
+    old_nodes = {n.name: n for n in graph_def.node}
+    for node in new.node:
+        if node.name not in old_nodes:
+            assert node.attr[ARRIVAL_ATTR].b
+            continue
+        before = list(old_nodes[node.name].input)
+        assert list(node.input[:len(before)]) == before
+        assert all(text.startswith("^") for text in node.input[len(before):])
+    again, second = tfoverlap.optimize(new, schedule=schedule, window=window, gate=gate)
+    assert not second.modified
