@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         print(f"{label:<15} {len(set(orders)):>15} {statistics.median(seconds) * 1e3:>10.1f}ms"
               f"  {first}, ...")
     print("\nOn loopback the link is not a bottleneck, so step times are about equal; the "
-          "speed-ups on shaped links are measured by the benchmarks (docs/benchmarks.md).")
+          "speed-ups on a shaped link are measured by scripts/bench_shaped_link.py (README, \"Measured so far\").")
     return 0
 
 
