@@ -90,7 +90,8 @@ def main(argv=None) -> int:
         recv_scheduling = tf.compat.v1.ConfigProto()
         recv_scheduling.CopyFrom(base)
         recv_scheduling.graph_options.enable_recv_scheduling = True
-        profile_path = os.path.join(tempfile.mkdtemp(), "profile.json")
+        profile_dir = tempfile.TemporaryDirectory(prefix="tfoverlap-bench-")
+        profile_path = os.path.join(profile_dir.name, "profile.json")
         with tf.compat.v1.Session(server.target, graph=model.graph, config=base) as session:
             session.run(model.init)
             tfoverlap.profile(session, fetch, steps=3, warmup=1, path=profile_path)

@@ -170,20 +170,17 @@ class GraphModel:
                 succs[pred].append(node)
         return succs
 
-    def topological_order(self, extra_edges: Iterable[tuple[int, int]] = ()) -> list[int]:
-        """Kahn's order of all nodes, optionally with extra (src, dst) edges.
+    def topological_order(self) -> list[int]:
+        """Kahn's order of all nodes.
 
         Raises:
-          GraphError: the graph (with the extra edges) has a cycle; names a node on it.
+          GraphError: the graph has a cycle; names a node on it.
         """
         succs = self.successors()
         indegree = [0] * self.num_nodes
         for node, consumers in enumerate(succs):
             for consumer in consumers:
                 indegree[consumer] += 1
-        for src, dst in extra_edges:
-            succs[src].append(dst)
-            indegree[dst] += 1
         ready = [v for v in range(self.num_nodes) if indegree[v] == 0]
         ready.reverse()
         order = []

@@ -11,6 +11,9 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
+from tfoverlap.cost_model import load_profile
+from tfoverlap.graph_model import parse_device_spec
+
 __all__ = ["Options", "parse_options", "parse_bandwidth", "OPTION_NAMES"]
 
 SCHEDULES = ("tic", "tac", "none")
@@ -98,7 +101,6 @@ def _as_int(name: str, value: Any) -> int:
 
 
 def _validate_ps_devices(value: str) -> str:
-    from tfoverlap.graph_model import parse_device_spec  # avoids an import cycle
     specs = [spec.strip() for spec in value.split(",") if spec.strip()]
     if not specs:
         raise ValueError("option 'ps_devices' must name at least one device spec, e.g. '/job:ps'")
@@ -114,7 +116,8 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
     Raises:
       ValueError: an unknown option, or a value out of range, naming the option. With
         ``check_files`` a profile that is missing, corrupt or of another format is
-        reported here, at config time, rather than when the graph is optimized.
+        reported here, at config time; the plugin passes False, since the pass that uses
+        the profile reads (and checks) it anyway.
     """
     values = dict(values or {})
     unknown = sorted(set(values) - set(OPTION_NAMES))
@@ -149,6 +152,5 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
         parsed[name] = value
     options = Options(**parsed)
     if check_files and options.profile:
-        from tfoverlap.cost_model import load_profile  # validates format and version
         load_profile(options.profile)
     return options

@@ -116,7 +116,7 @@ def _grappler_entry_point(graph_ptr, graph_len, item_ptr, item_len,
         values = _options_from_config(ctypes.string_at(config_ptr, config_len)
                                       if config_len else b"")
         strict = str(values.get("strict", "")).lower() in ("true", "1")
-        options = parse_options(values)
+        options = parse_options(values, check_files=False)
         item = _parse_item(ctypes.string_at(item_ptr, item_len).decode())
         graph_def = graph_pb2.GraphDef()
         graph_def.ParseFromString(ctypes.string_at(graph_ptr, graph_len))

@@ -209,7 +209,9 @@ def tictac_pass(graph_def, context: PassContext) -> PassResult:
         "ordering_edges": added,
         **notes,
     }
-    # Unchanged means: the same edges that were stripped were added back.
-    modified = rewritten.SerializeToString(deterministic=True) != graph_def.SerializeToString(
-        deterministic=True)
+    # Without earlier edges, any addition is a change; with them, unchanged means the same
+    # edges and gates were added back (the costly comparison only happens then).
+    modified = (added > 0 if not stripped else
+                rewritten.SerializeToString(deterministic=True)
+                != graph_def.SerializeToString(deterministic=True))
     return PassResult(rewritten if modified else graph_def, modified=modified, summary=summary)
