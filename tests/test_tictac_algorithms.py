@@ -38,11 +38,24 @@ def test_tic_chain_order_ignores_transfer_numbering():
 def test_tic_m_plus_of_parallel_branches_and_joins():
     # Branch A: ops need {0}, {0,1}; branch B: {2}; the join needs everything.
     deps = [bits(0), bits(0, 1), bits(2), bits(0, 1, 2)]
-    min_plus, min_any = transfer_priorities(group_dependency_sets(deps, None, 3))
+    min_plus, completing_set, min_any = transfer_priorities(
+        group_dependency_sets(deps, None, 3))
     assert list(min_plus) == [2, 2, 3]
+    assert completing_set[0] == completing_set[1] != completing_set[2]
     assert list(min_any) == [1, 2, 1]
     # 0 first (M+ 2, one op needs only it), then 1 (M+ 2), then 2 (M+ 3).
     assert tic_order(group_dependency_sets(deps, None, 3)) == [0, 1, 2]
+
+
+def test_tic_keeps_the_kernels_of_a_parallel_branch_together():
+    # TicTac's par model: branch b needs kernel 2b, then kernels 2b and 2b+1. Every
+    # kernel has M+ 2; the branches' first layers must not all go before any second layer.
+    num_branches = 4
+    deps = []
+    for branch in range(num_branches):
+        deps += [bits(2 * branch), bits(2 * branch, 2 * branch + 1)]
+    order = tic_order(group_dependency_sets(deps, None, 2 * num_branches))
+    assert order == list(range(2 * num_branches))
 
 
 def test_tic_respects_precedence_between_transfers():

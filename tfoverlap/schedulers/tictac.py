@@ -69,20 +69,25 @@ def group_dependency_sets(op_dependencies: Sequence[int], op_times: Sequence[flo
     return DependencySets(matrix=matrix, compute=np.array([totals[k] for k in keys], float))
 
 
-def _min_plus(matrix: np.ndarray, counts: np.ndarray, sums: np.ndarray) -> np.ndarray:
+def _min_plus(matrix: np.ndarray, counts: np.ndarray,
+              sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """M+ per column: min of ``sums`` over rows with counts > 1 that contain the column.
 
-    Rows are visited cheapest first, so each column's M+ is the sum of the first row that
-    contains it: a short-circuiting argmax over bools instead of a K x R float minimum.
+    Rows are visited cheapest first (ties by row index), so each column's M+ is the sum of
+    the first row that contains it: a short-circuiting argmax over bools instead of a
+    K x R float minimum. Also returns that row's rank in this visiting order (the set that
+    *completes* the column first; infinity if none): transfers completed by the same set
+    share it.
     """
     multi = np.flatnonzero(counts > 1)
     if multi.size == 0:
-        return np.full(matrix.shape[1], np.inf)
+        return np.full(matrix.shape[1], np.inf), np.full(matrix.shape[1], np.inf)
     cheapest_first = multi[np.argsort(sums[multi], kind="stable")]
     by_column = np.ascontiguousarray(matrix[cheapest_first].T)
     first = by_column.argmax(axis=1)
     contains = by_column[np.arange(by_column.shape[0]), first]
-    return np.where(contains, sums[cheapest_first][first], np.inf)
+    return (np.where(contains, sums[cheapest_first][first], np.inf),
+            np.where(contains, first.astype(float), np.inf))
 
 
 def _precedence_counts(source_dependencies: Sequence[int], num_transfers: int):
@@ -99,33 +104,41 @@ def _precedence_counts(source_dependencies: Sequence[int], num_transfers: int):
     return blockers, unblocks
 
 
-def transfer_priorities(sets: DependencySets) -> tuple[np.ndarray, np.ndarray]:
-    """TIC's static keys: (M+ with unit transfer times, min transfers needed by any op).
+def transfer_priorities(sets: DependencySets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TIC's static keys: (M+ with unit transfer times, the set that completes it, min
+    transfers needed by any op).
 
-    The second key breaks M+ ties (e.g. the first two layers of a chain share M+ = 2,
-    but only the first layer's op can start after one transfer).
+    The second key keeps transfers that complete the same op together (in TicTac's par
+    model, both kernels of branch 0 before any of branch 1, so branch 0 can start after
+    two transfers rather than after all first layers). The third breaks the remaining
+    ties (the first two layers of a chain share M+ = 2 and the completing set, but only
+    the first layer's op can start after one transfer).
     """
     counts = sets.matrix.sum(axis=1).astype(float)
-    min_plus = _min_plus(sets.matrix, counts, counts)
+    min_plus, completing_set = _min_plus(sets.matrix, counts, counts)
     if len(counts):
         min_any = np.where(sets.matrix, counts[:, None], np.inf).min(axis=0)
     else:
         min_any = np.full(sets.num_transfers, np.inf)
-    return min_plus, min_any
+    return min_plus, completing_set, min_any
 
 
 def tic_order(sets: DependencySets, source_dependencies: Sequence[int] = (),
               tiebreak: Sequence[float] | None = None) -> list[int]:
     """TIC: transfers by ascending M+ (unit costs), precedence respected.
 
-    Ties: fewer transfers needed by some op first, then ``tiebreak`` (e.g. the topological
-    position of the first consumer), then transfer index.
+    Ties: transfers completed by the same set together, fewer transfers needed by some op
+    first, then ``tiebreak`` (e.g. the topological position of the first consumer), then
+    transfer index.
     """
     num = sets.num_transfers
-    min_plus, min_any = transfer_priorities(sets)
+    min_plus, completing_set, min_any = transfer_priorities(sets)
     tiebreak = np.zeros(num) if tiebreak is None else np.asarray(tiebreak, float)
     blockers, unblocks = _precedence_counts(source_dependencies or [0] * num, num)
-    heap = [(min_plus[r], min_any[r], tiebreak[r], r) for r in range(num) if blockers[r] == 0]
+    def key(r):
+        return (min_plus[r], completing_set[r], min_any[r], tiebreak[r], r)
+
+    heap = [key(r) for r in range(num) if blockers[r] == 0]
     heapq.heapify(heap)
     order = []
     while heap:
@@ -134,8 +147,7 @@ def tic_order(sets: DependencySets, source_dependencies: Sequence[int] = (),
         for waiting in unblocks[transfer]:
             blockers[waiting] -= 1
             if blockers[waiting] == 0:
-                heapq.heappush(heap, (min_plus[waiting], min_any[waiting], tiebreak[waiting],
-                                      waiting))
+                heapq.heappush(heap, key(waiting))
     if len(order) != num:
         raise ValueError("transfer precedences form a cycle")
     return order
@@ -176,7 +188,7 @@ def tac_order(sets: DependencySets, transfer_times: Sequence[float],
         tied = tied[group[tied] == group[tied].min()]
         tied = tied[value[tied] == value[tied].min()]
         if tied.size > 1:
-            min_plus = _min_plus(matrix[:, tied], counts, sums)
+            min_plus, _ = _min_plus(matrix[:, tied], counts, sums)
             tied = tied[np.lexsort((columns[tied], tiebreak[columns[tied]], min_plus))]
         best = tied[0]
         picked = int(columns[best])

@@ -1,92 +1,92 @@
-"""Local TensorFlow parameter-server clusters: every task a real tf.distribute.Server process.
+"""TensorFlow parameter-server clusters: every task a real ``tf.distribute.Server`` process.
 
-``LocalCluster`` starts the PS tasks (and optionally the workers) as child processes on
-127.0.0.1, waits until they listen, and kills them (their whole process groups) on exit,
-also after an exception or Ctrl-C.
+``PsCluster`` places PS task i on host i of an :class:`EmulatedNetwork` and worker j on
+host ``num_ps + j``, starts the PS servers (and, if asked, the worker servers) as child
+processes in their hosts' namespaces and waits until each says it is serving. Benchmark
+workers that run their own steps are started with :meth:`PsCluster.spawn_worker`.
+``LocalCluster`` is the same on plain loopback, for tests that run the worker in-process.
 """
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 
-__all__ = ["free_ports", "wait_listening", "LocalCluster", "serve"]
+from tfoverlap.testbed.network import EmulatedNetwork, LineChannel
 
+__all__ = ["PsCluster", "LocalCluster", "serve", "READY"]
 
-def free_ports(count: int) -> list[int]:
-    """Ports that were free on 127.0.0.1 a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+READY = "tfoverlap-server-ready"
 
 
-def wait_listening(host: str, port: int, process: subprocess.Popen, timeout: float) -> None:
-    """Returns once ``host:port`` accepts connections; raises if ``process`` dies first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server process for {host}:{port} exited with code "
-                               f"{process.returncode}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"no server listening on {host}:{port} after {timeout:.0f} s")
+class PsCluster:
+    """``num_ps`` PS tasks and ``num_workers`` workers on the hosts of ``network``."""
 
-
-class LocalCluster:
-    """A cluster of ``num_ps`` PS tasks and ``num_workers`` workers on loopback.
-
-    PS tasks always run as child processes. Workers run as child processes only if
-    ``spawn_workers``; otherwise the caller starts them (e.g. in-process with
-    :meth:`start_worker_in_process`, so that the worker's master runs in the caller).
-    """
-
-    def __init__(self, num_ps: int = 1, num_workers: int = 1, spawn_workers: bool = False,
-                 start_timeout: float = 60.0):
+    def __init__(self, network: EmulatedNetwork, num_ps: int = 1, num_workers: int = 1,
+                 start_timeout: float = 120.0):
         if num_ps < 1 or num_workers < 1:
             raise ValueError("a cluster needs at least one PS task and one worker")
-        ports = free_ports(num_ps + num_workers)
-        self.spec = {"ps": [f"127.0.0.1:{p}" for p in ports[:num_ps]],
-                     "worker": [f"127.0.0.1:{p}" for p in ports[num_ps:]]}
-        self.spawn_workers = spawn_workers
+        if network.num_hosts < num_ps + num_workers:
+            raise ValueError(f"{num_ps} PS tasks and {num_workers} workers need "
+                             f"{num_ps + num_workers} hosts, the network has "
+                             f"{network.num_hosts}")
+        self.network = network
+        self.num_ps, self.num_workers = num_ps, num_workers
         self.start_timeout = start_timeout
-        self.processes: list[subprocess.Popen] = []
-        self._servers = []
+        self.spec = {
+            "ps": [self._endpoint(self.host("ps", i)) for i in range(num_ps)],
+            "worker": [self._endpoint(self.host("worker", j)) for j in range(num_workers)]}
+        self.processes = []
+
+    def host(self, job: str, task: int) -> int:
+        return task if job == "ps" else self.num_ps + task
+
+    def _endpoint(self, host: int) -> str:
+        return f"{self.network.address(host)}:{self.network.port(host)}"
 
     def target(self, worker: int = 0) -> str:
         return "grpc://" + self.spec["worker"][worker]
 
-    def _spawn(self, job: str, task: int) -> subprocess.Popen:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tfoverlap.testbed.cluster", json.dumps(self.spec), job,
-             str(task)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL",
-                                                                       "2")})
+    def start_servers(self, jobs=("ps",)) -> None:
+        """Starts every task of ``jobs`` as a server process; returns when all serve."""
+        import subprocess
+        started = []
+        for job in jobs:
+            for task in range(len(self.spec[job])):
+                process = self.network.spawn(
+                    self.host(job, task),
+                    [sys.executable, "-m", "tfoverlap.testbed.cluster", json.dumps(self.spec),
+                     job, str(task)],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                self.processes.append(process)
+                started.append((LineChannel(process, f"{job} task {task}"), job, task))
+        for channel, job, task in started:
+            while channel.read(self.start_timeout) != READY:
+                pass
+
+    def spawn_worker(self, task: int, argv: list[str], **popen_kwargs):
+        """Starts ``argv`` on worker ``task``'s host (it runs that worker's server itself)."""
+        process = self.network.spawn(self.host("worker", task), argv, **popen_kwargs)
         self.processes.append(process)
         return process
 
+
+class LocalCluster(PsCluster):
+    """A PS cluster on loopback whose PS tasks (and, if asked, workers) are child processes.
+
+    Workers that are not spawned are started by the caller, e.g. in-process with
+    :meth:`start_worker_in_process`, so that the worker's master runs in the caller.
+    """
+
+    def __init__(self, num_ps: int = 1, num_workers: int = 1, spawn_workers: bool = False,
+                 start_timeout: float = 120.0):
+        super().__init__(EmulatedNetwork(num_ps + num_workers, loopback=True).__enter__(),
+                         num_ps, num_workers, start_timeout)
+        self.spawn_workers = spawn_workers
+        self._servers = []
+
     def __enter__(self) -> "LocalCluster":
         try:
-            jobs = [("ps", i) for i in range(len(self.spec["ps"]))]
-            if self.spawn_workers:
-                jobs += [("worker", i) for i in range(len(self.spec["worker"]))]
-            for job, task in jobs:
-                process = self._spawn(job, task)
-                port = int(self.spec[job][task].rsplit(":", 1)[1])
-                wait_listening("127.0.0.1", port, process, self.start_timeout)
+            self.start_servers(("ps", "worker") if self.spawn_workers else ("ps",))
         except BaseException:
             self.close()
             raise
@@ -101,15 +101,7 @@ class LocalCluster:
         return server
 
     def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for process in self.processes:
-            process.wait()
-        self.processes.clear()
+        self.network.close()
 
     def __exit__(self, *exc_info) -> None:
         self.close()
@@ -121,6 +113,7 @@ def serve(spec: dict, job: str, task: int) -> None:
     import tfoverlap  # noqa: F401  (registers the TfOverlap optimizer in this process)
     server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job, task_index=task,
                                   start=True)
+    print(READY, flush=True)
     server.join()
 
 

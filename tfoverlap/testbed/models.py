@@ -1,10 +1,20 @@
-"""Models for tests and benchmarks, built as TF1 graphs with parameters on PS tasks."""
+"""Models for tests and benchmarks, built as TF1 graphs with parameters on PS tasks.
+
+``chain_model`` (TicTac's seq-N) and ``parallel_model`` (par-N) are the synthetic models;
+``keras_model`` builds a Keras application without weights. ``build_model`` picks one by
+name, for the benchmark's worker processes.
+"""
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
-__all__ = ["PsModel", "chain_model"]
+__all__ = ["PsModel", "MODEL_NAMES", "chain_model", "parallel_model", "keras_model",
+           "build_model"]
+
+KERAS_APPLICATIONS = {"resnet50": "ResNet50", "inception_v3": "InceptionV3",
+                      "vgg16": "VGG16", "resnet152": "ResNet152"}
+MODEL_NAMES = ("seq32", "par32") + tuple(KERAS_APPLICATIONS)
 
 
 @dataclasses.dataclass
@@ -17,6 +27,37 @@ class PsModel:
     train_op: object | None
     variables: list
 
+    @property
+    def fetch(self):
+        """What one step runs: the training op, or the loss for inference."""
+        return self.train_op if self.train_op is not None else self.loss
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(v.shape.num_elements() * v.dtype.size for v in self.variables)
+
+
+def _ps_devices(num_ps: int, ps_devices: Sequence[str] | None,
+                worker_device: str) -> Sequence[str]:
+    """Where parameters go: ``ps_devices``, else PS tasks 0..num_ps-1; 0 PS: the worker."""
+    if ps_devices:
+        return ps_devices
+    if num_ps == 0:
+        return [worker_device]
+    return [f"/job:ps/task:{task}" for task in range(num_ps)]
+
+
+def _finish(graph, device, loss, variables, training: bool, learning_rate: float) -> PsModel:
+    """Adds the training op (on ``device``, a name or a device function) and the init op."""
+    import tensorflow as tf
+    with graph.as_default(), tf.compat.v1.device(device):
+        train_op = None
+        if training:
+            train_op = tf.compat.v1.train.GradientDescentOptimizer(learning_rate).minimize(
+                loss, var_list=variables)
+        init = tf.compat.v1.global_variables_initializer()
+    return PsModel(graph=graph, init=init, loss=loss, train_op=train_op, variables=variables)
+
 
 def chain_model(num_layers: int = 16, width: int = 256, batch: int = 64,
                 num_ps: int = 1, worker_device: str = "/job:worker/task:0",
@@ -26,11 +67,11 @@ def chain_model(num_layers: int = 16, width: int = 256, batch: int = 64,
     """TicTac's seq model: ``num_layers`` dense layers in a chain.
 
     Layer i's kernel lives on ``ps_devices[i % len(ps_devices)]`` (default: PS tasks
-    0..num_ps-1 of job "ps"); the compute on ``worker_device``. The input is a fixed synthetic batch, so losses are reproducible given ``seed``.
+    0..num_ps-1 of job "ps"); the compute on ``worker_device``. The input is a fixed
+    synthetic batch, so losses are reproducible given ``seed``.
     """
     import tensorflow as tf
-    if ps_devices is None:
-        ps_devices = [f"/job:ps/task:{task}" for task in range(num_ps)]
+    ps_devices = _ps_devices(num_ps, ps_devices, worker_device)
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(seed)
@@ -47,9 +88,84 @@ def chain_model(num_layers: int = 16, width: int = 256, batch: int = 64,
             for weight in weights:
                 hidden = tf.nn.relu(tf.matmul(hidden, weight))
             loss = tf.reduce_mean(tf.square(hidden))
-            train_op = None
-            if training:
-                optimizer = tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
-                train_op = optimizer.minimize(loss)
-        init = tf.compat.v1.global_variables_initializer()
-    return PsModel(graph=graph, init=init, loss=loss, train_op=train_op, variables=weights)
+    return _finish(graph, worker_device, loss, weights, training, learning_rate)
+
+
+def parallel_model(num_branches: int = 32, width: int = 256, batch: int = 64,
+                   num_ps: int = 1, worker_device: str = "/job:worker/task:0",
+                   ps_devices: Sequence[str] | None = None, training: bool = False,
+                   learning_rate: float = 0.01, seed: int = 0) -> PsModel:
+    """TicTac's par model: ``num_branches`` independent two-layer branches, summed.
+
+    Every branch can start as soon as its own two kernels arrive, so the order of the
+    transfers decides how early compute starts and how much of it overlaps.
+    """
+    import tensorflow as tf
+    ps_devices = _ps_devices(num_ps, ps_devices, worker_device)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(seed)
+        weights = []
+        for branch in range(num_branches):
+            with tf.device(ps_devices[branch % len(ps_devices)]):
+                for layer in range(2):
+                    weights.append(tf.compat.v1.get_variable(
+                        f"branch{branch}/layer{layer}/kernel", shape=[width, width],
+                        use_resource=True, initializer=tf.compat.v1.random_normal_initializer(
+                            stddev=1.0 / width ** 0.5, seed=seed + 2 * branch + layer)))
+        with tf.device(worker_device):
+            inputs = tf.random.stateless_normal([batch, width], seed=[seed, 7])
+            outputs = []
+            for branch in range(num_branches):
+                hidden = tf.nn.relu(tf.matmul(inputs, weights[2 * branch]))
+                outputs.append(tf.matmul(hidden, weights[2 * branch + 1]))
+            loss = tf.reduce_mean(tf.square(tf.add_n(outputs)))
+    return _finish(graph, worker_device, loss, weights, training, learning_rate)
+
+
+def keras_model(application: str, batch: int = 8, image_size: int = 224, num_ps: int = 1,
+                worker_device: str = "/job:worker/task:0", training: bool = False,
+                learning_rate: float = 0.01, seed: int = 0, classes: int = 1000) -> PsModel:
+    """A ``tf.keras.applications`` model without weights, on synthetic images.
+
+    Variables are spread over the PS tasks by size (greedy load balancing, as
+    ``replica_device_setter`` offers), the compute runs on ``worker_device``. With
+    ``num_ps=0`` everything runs on ``worker_device`` (the compute-only reference).
+    """
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(seed)
+        setter = worker_device
+        if num_ps > 0:
+            strategy = tf.compat.v1.train.GreedyLoadBalancingStrategy(
+                num_ps, tf.compat.v1.train.byte_size_load_fn)
+            setter = tf.compat.v1.train.replica_device_setter(
+                ps_tasks=num_ps, worker_device=worker_device, ps_strategy=strategy)
+        with tf.compat.v1.device(setter):
+            model = getattr(tf.keras.applications, KERAS_APPLICATIONS[application])(
+                weights=None, input_shape=(image_size, image_size, 3), classes=classes)
+            images = tf.random.stateless_uniform([batch, image_size, image_size, 3],
+                                                 seed=[seed, 1])
+            labels = tf.random.stateless_uniform([batch], seed=[seed, 2], maxval=classes,
+                                                 dtype=tf.int32)
+            logits = model(images, training=training)
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                labels, logits))
+    return _finish(graph, setter, loss, list(model.trainable_variables), training,
+                   learning_rate)
+
+
+def build_model(name: str, batch: int, num_ps: int, worker_device: str, training: bool,
+                image_size: int = 224, width: int = 1024, seed: int = 0) -> PsModel:
+    """One of :data:`MODEL_NAMES`: ``seqN``/``parN`` with ``width``, or a Keras model."""
+    if name.startswith("seq") and name[3:].isdigit():
+        return chain_model(int(name[3:]), width=width, batch=batch, num_ps=num_ps,
+                           worker_device=worker_device, training=training, seed=seed)
+    if name.startswith("par") and name[3:].isdigit():
+        return parallel_model(int(name[3:]), width=width, batch=batch, num_ps=num_ps,
+                              worker_device=worker_device, training=training, seed=seed)
+    if name in KERAS_APPLICATIONS:
+        return keras_model(name, batch=batch, image_size=image_size, num_ps=num_ps,
+                           worker_device=worker_device, training=training, seed=seed)
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")

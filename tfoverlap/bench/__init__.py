@@ -1,0 +1,1 @@
+"""Benchmarks on the emulated testbed: worker processes, the driver, metrics and reports."""

@@ -1,0 +1,290 @@
+"""The parameter-server benchmark: TensorFlow's default vs its recv scheduling vs TIC vs TAC.
+
+For every configuration (model, training or inference) it builds an emulated network
+(one namespace per PS task and worker, tbf-shaped links), starts the PS servers and one
+benchmark worker process per worker (:mod:`tfoverlap.bench.ps_worker`), and then drives
+all workers in lock step: every block of steps runs on all workers at once, and the
+variants take turns block by block (rotated every round), so slow phases of a noisy
+machine hit all variants alike. It also measures the communication-only and
+computation-only time of an iteration (for comm/comp and E) and traces steps for the
+observed transfer order and the timelines. Results go to CSV, Markdown and PNG plots.
+
+    sudo .venv/bin/python -m tfoverlap.bench.ps --models seq32,resnet50 --out out/bench
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from tfoverlap.options import parse_bandwidth
+
+__all__ = ["Configuration", "VARIANTS", "DEFAULT_SETTINGS", "run_configuration", "main"]
+
+#: name -> how its sessions are configured (see ps_worker.Worker.session_config).
+VARIANTS = {
+    "default": {},
+    "tf_recv_scheduling": {"recv_scheduling": True},
+    "tic": {"tfoverlap": {"schedule": "tic"}},
+    "tac": {"tfoverlap": {"schedule": "tac"}},  # the profile path is added per worker
+}
+
+#: (model, training) -> (batch, bandwidth in bytes/s) chosen for comm/comp near 1 with
+#: two workers on this project's 2-core machines (the measured ratio is reported).
+DEFAULT_SETTINGS = {
+    ("seq32", False): (1024, 125e6), ("seq32", True): (384, 125e6),
+    ("par32", False): (1024, 125e6), ("par32", True): (384, 125e6),
+    ("resnet50", False): (16, 125e6), ("resnet50", True): (4, 125e6),
+    ("inception_v3", False): (16, 125e6), ("inception_v3", True): (4, 125e6),
+    ("vgg16", False): (4, 312.5e6), ("vgg16", True): (2, 312.5e6),
+}
+
+
+@dataclasses.dataclass
+class Configuration:
+    model: str
+    training: bool
+    batch: int
+    bandwidth: float          # bytes/s per link and direction
+    num_ps: int = 1
+    num_workers: int = 2
+    image_size: int = 224
+    width: int = 1024         # layer width of seqN/parN
+    intra_op: int = 1
+    inter_op: int = 2
+    seed: int = 0
+
+    @property
+    def mode(self) -> str:
+        return "training" if self.training else "inference"
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.mode}"
+
+
+class _Workers:
+    """The benchmark worker processes of one configuration, driven in lock step."""
+
+    def __init__(self, channels, timeout: float):
+        self.channels, self.timeout = channels, timeout
+
+    def ask_each(self, commands: list[dict | None]) -> list[dict]:
+        """Sends ``commands[w]`` to worker w (None: nothing), then collects the answers."""
+        chosen = [(channel, command) for channel, command in zip(self.channels, commands)
+                  if command is not None]
+        for channel, command in chosen:
+            channel.send(json.dumps(command))
+        return [self._answer(channel, command["cmd"]) for channel, command in chosen]
+
+    def ask(self, command: dict) -> list[dict]:
+        return self.ask_each([command] * len(self.channels))
+
+    def _answer(self, channel, what: str) -> dict:
+        from tfoverlap.bench.ps_worker import ANSWER
+        while True:
+            line = channel.read(self.timeout)
+            if line.startswith(ANSWER):
+                break
+        answer = json.loads(line[len(ANSWER):])
+        if "error" in answer:
+            raise RuntimeError(f"{channel.name}, {what}: {answer['error']}\n"
+                               f"{answer.get('traceback', '')}")
+        return answer
+
+    def ready(self) -> list[dict]:
+        return [self._answer(channel, "start-up") for channel in self.channels]
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _profile_path(workdir: str, task: int) -> str:
+    return os.path.join(workdir, f"tac-profile-worker{task}.json")
+
+
+def _variant_spec(name: str, workdir: str, task: int) -> dict:
+    spec = json.loads(json.dumps(VARIANTS[name]))
+    if spec.get("tfoverlap", {}).get("schedule") == "tac":
+        spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
+    return spec
+
+
+def run_configuration(config: Configuration, variants=tuple(VARIANTS), rounds: int = 5,
+                      steps: int = 3, traces: int = 3, workdir: str = "/tmp",
+                      timeout: float = 900.0) -> dict:
+    """Runs one configuration on a fresh emulated network; returns the raw measurements."""
+    from tfoverlap.testbed.cluster import PsCluster
+    from tfoverlap.testbed.network import EmulatedNetwork, LineChannel
+    variants = tuple(variants)
+    unknown = [name for name in variants if name not in VARIANTS]
+    if unknown or "default" not in variants:
+        raise ValueError(f"variants must include 'default' and come from {list(VARIANTS)}")
+    os.makedirs(workdir, exist_ok=True)
+    with EmulatedNetwork(config.num_ps + config.num_workers,
+                         bandwidth=config.bandwidth) as network:
+        cluster = PsCluster(network, config.num_ps, config.num_workers)
+        _progress(f"{config.label}: {network.describe()}; starting {config.num_ps} PS and "
+                  f"{config.num_workers} workers")
+        cluster.start_servers(("ps",))
+        channels = []
+        for task in range(config.num_workers):
+            worker_config = dataclasses.asdict(config)
+            worker_config.update(spec=cluster.spec, task=task, variants={
+                name: _variant_spec(name, workdir, task) for name in variants})
+            process = cluster.spawn_worker(
+                task, [sys.executable, "-m", "tfoverlap.bench.ps_worker",
+                       json.dumps(worker_config)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+            channels.append(LineChannel(process, f"worker {task}"))
+        workers = _Workers(channels, timeout)
+        graph = workers.ready()[0]
+        workers.ask_each([{"cmd": "init"}] + [None] * (config.num_workers - 1))
+        workers.ask({"cmd": "warmup", "variant": "default"})
+        if "tac" in variants:
+            _progress(f"{config.label}: profiling default steps for TAC")
+            workers.ask_each([{"cmd": "profile", "steps": 3, "path": _profile_path(workdir, t)}
+                              for t in range(config.num_workers)])
+        passes = {}
+        for name in variants:
+            passes[name] = workers.ask({"cmd": "warmup", "variant": name})[0]["pass"]
+        _progress(f"{config.label}: measuring communication-only and computation-only "
+                  "iterations")
+        comm = [t for a in workers.ask({"cmd": "comm", "steps": steps}) for t in a["times"]]
+        comp = [t for a in workers.ask({"cmd": "comp", "steps": steps}) for t in a["times"]]
+        times = {name: [] for name in variants}
+        blocks = {name: [] for name in variants}
+        for round_index in range(rounds):
+            shift = round_index % len(variants)
+            for name in variants[shift:] + variants[:shift]:
+                answers = workers.ask({"cmd": "steps", "variant": name, "steps": steps})
+                for answer in answers:
+                    times[name].extend(answer["times"])
+                blocks[name].append([sum(a["times"]) / len(a["times"]) for a in answers])
+            summary = ", ".join(f"{name} {statistics.median(values):.3f}s"
+                                for name, values in times.items())
+            _progress(f"{config.label}: round {round_index + 1}/{rounds}: {summary}")
+        traced = {name: [workers.ask({"cmd": "trace", "variant": name})
+                         for _ in range(traces)] for name in variants}
+        for channel in channels:
+            channel.send(json.dumps({"cmd": "quit"}))
+        description = network.describe()
+    return {"config": dataclasses.asdict(config), "network": description, "graph": graph,
+            "passes": passes, "comm": comm, "comp": comp, "times": times, "blocks": blocks,
+            "traces": traced}
+
+
+def summarize(result: dict) -> list[dict]:
+    """One row per variant: the metrics of :mod:`tfoverlap.bench.metrics`."""
+    from tfoverlap.bench import metrics
+    config = result["config"]
+    comm = statistics.median(result["comm"])
+    comp = statistics.median(result["comp"])
+    baseline = result["times"]["default"]
+    rows = []
+    for name, values in result["times"].items():
+        iteration = metrics.spread(values)
+        ratio, low, high = metrics.speedup(baseline, values)
+        orders = [answer["order"] for traced in result["traces"][name] for answer in traced]
+        distinct, share = metrics.order_consistency(orders)
+        rows.append({
+            "model": config["model"], "mode": "training" if config["training"] else "inference",
+            "batch": config["batch"], "gbit_per_s": config["bandwidth"] * 8 / 1e9,
+            "ps": config["num_ps"], "workers": config["num_workers"], "variant": name,
+            "median_s": iteration.median, "p10_s": iteration.p10, "p90_s": iteration.p90,
+            "steps": iteration.count,
+            "samples_per_s": config["batch"] * config["num_workers"] / iteration.median,
+            "speedup": ratio, "ci_low": low, "ci_high": high,
+            "comm_s": comm, "comp_s": comp, "comm_over_comp": comm / comp,
+            "efficiency": metrics.efficiency(iteration.median, comm, comp),
+            "straggler": metrics.straggler_effect(result["blocks"][name]),
+            "distinct_orders": distinct, "top_order_share": share,
+            "transfers": result["passes"].get(name, {}).get("transfers", ""),
+            "ordering_edges": result["passes"].get(name, {}).get("ordering_edges", ""),
+        })
+    return rows
+
+
+def _parse_models(text: str) -> list[tuple[str, bool]]:
+    from tfoverlap.testbed.models import MODEL_NAMES
+    chosen = []
+    for item in text.split(","):
+        name, _, mode = item.strip().partition(":")
+        if name not in MODEL_NAMES and not (name[:3] in ("seq", "par") and name[3:].isdigit()):
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+        if mode not in ("", "training", "inference"):
+            raise ValueError(f"unknown mode {mode!r} in {item!r}: training or inference")
+        for training in ((False, True) if not mode else (mode == "training",)):
+            chosen.append((name, training))
+    return chosen
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tfoverlap.bench.ps", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="seq32,par32,resnet50,inception_v3,vgg16",
+                        help="comma-separated; model[:training|:inference] (default both)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, help="override the per-model batch size")
+    parser.add_argument("--bandwidth", help="override the per-model link rate, e.g. 1Gbit")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="steps per block")
+    parser.add_argument("--traces", type=int, default=3, help="traced steps per variant")
+    parser.add_argument("--out", default="out/benchmarks")
+    args = parser.parse_args(argv)
+    try:
+        configurations = _parse_models(args.models)
+        variants = [v.strip() for v in args.variants.split(",")]
+        bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+        if min(args.ps, args.workers, args.rounds, args.steps, args.traces) < 1:
+            raise ValueError("--ps, --workers, --rounds, --steps and --traces must be >= 1")
+        if args.batch is not None and args.batch < 1:
+            raise ValueError("--batch must be >= 1")
+    except ValueError as error:
+        print(f"tfoverlap bench: {error}", file=sys.stderr)
+        return 2
+    from tfoverlap.bench import report
+    os.makedirs(args.out, exist_ok=True)
+    rows, results = [], []
+    for model, training in configurations:
+        default_batch, default_bandwidth = DEFAULT_SETTINGS.get((model, training),
+                                                                (64, 125e6))
+        config = Configuration(model, training, args.batch or default_batch,
+                               bandwidth or default_bandwidth, num_ps=args.ps,
+                               num_workers=args.workers)
+        result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
+                                   traces=args.traces, workdir=os.path.join(args.out, "work"))
+        results.append(result)
+        rows.extend(summarize(result))
+        timelines = {name: result["traces"][name][0][0] for name in ("default", "tic")
+                     if name in result["traces"]}
+        report.plot_timelines(timelines, f"{config.label}, batch {config.batch}, "
+                              f"{result['network']}",
+                              os.path.join(args.out, f"timeline-{model}-{config.mode}.png"))
+        # Written after every configuration, so a long run that is stopped keeps its results.
+        report.write_csv(rows, os.path.join(args.out, "results.csv"))
+        with open(os.path.join(args.out, "results.json"), "w") as stream:
+            json.dump(results, stream)
+        report.plot_speedups(rows, os.path.join(args.out, "speedups.png"))
+        with open(os.path.join(args.out, "results.md"), "w") as stream:
+            stream.write(report.markdown_table(rows))
+    print()
+    print(f"{args.ps} PS, {args.workers} workers, {results[0]['network']}; {args.rounds} rounds "
+          f"x {args.steps} steps per variant and worker, interleaved")
+    print(report.markdown_table(rows))
+    print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json; plots: "
+          "speedups.png, timeline-*.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

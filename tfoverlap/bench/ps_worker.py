@@ -1,0 +1,205 @@
+"""One worker of the PS benchmark, run as its own process on its own emulated host.
+
+It serves its task of the cluster (so its master, and the TfOverlap pass, run here),
+builds the model with its parameters on the PS tasks (between-graph replication: every
+worker builds the same graph), and then does what the driver asks, one JSON command per
+line on stdin, one JSON answer per line on stdout (prefixed with :data:`ANSWER`):
+
+- ``init``: initialize the variables (the chief only);
+- ``warmup {variant}``: open the variant's session (Grappler runs) and run two steps;
+- ``profile {steps, path}``: profile default steps for TAC (``tfoverlap.profile``);
+- ``steps {variant, steps}``: timed steps, answers their wall times;
+- ``trace {variant}``: one fully traced step: the observed transfer order and a timeline;
+- ``comm {steps}``: steps that only move the parameters (and, when training, gradients of
+  the same size back), as the communication time of one iteration;
+- ``comp {steps}``: the same model with local parameters, as its computation time;
+- ``quit``.
+
+    python -m tfoverlap.bench.ps_worker '<json configuration>'
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+__all__ = ["ANSWER", "main"]
+
+ANSWER = "tfoverlap-bench "
+
+
+class Worker:
+    def __init__(self, config: dict):
+        import tensorflow as tf
+        import tfoverlap
+        from tfoverlap.testbed.models import build_model
+        self.tf, self.tfoverlap, self.config = tf, tfoverlap, config
+        self.task = config["task"]
+        self.device = f"/job:worker/task:{self.task}"
+        self.base = tf.compat.v1.ConfigProto(
+            intra_op_parallelism_threads=config["intra_op"],
+            inter_op_parallelism_threads=config["inter_op"])
+        self.server = tf.distribute.Server(tf.train.ClusterSpec(config["spec"]),
+                                           job_name="worker", task_index=self.task,
+                                           config=self.base, start=True)
+        num_ps = len(config["spec"]["ps"])
+        self.model = build_model(config["model"], batch=config["batch"], num_ps=num_ps,
+                                 worker_device=self.device, training=config["training"],
+                                 image_size=config["image_size"], width=config["width"],
+                                 seed=config["seed"])
+        self.comm_fetch = self._communication_only()
+        self.sessions: dict = {}
+        self.local_session = None
+
+    def _communication_only(self):
+        """Moves every parameter to this worker (and, training, as much data back)."""
+        tf = self.tf
+        with self.model.graph.as_default():
+            sums, updates = [], []
+            for variable in self.model.variables:
+                with tf.device(self.device):
+                    arrived = tf.identity(variable)
+                    sums.append(tf.reduce_sum(arrived))
+                    if self.config["training"]:
+                        zeros = arrived * 0.0
+                if self.config["training"]:
+                    with tf.compat.v1.colocate_with(variable):
+                        updates.append(tf.compat.v1.assign_add(variable, zeros).op)
+            with tf.device(self.device):
+                return tf.group(tf.add_n(sums), *updates)
+
+    def session_config(self, variant: str):
+        spec = self.config["variants"][variant]
+        config = self.tf.compat.v1.ConfigProto()
+        config.CopyFrom(self.base)
+        if spec.get("recv_scheduling"):
+            config.graph_options.enable_recv_scheduling = True
+        if spec.get("tfoverlap") is not None:
+            config = self.tfoverlap.session_config(config, **spec["tfoverlap"])
+        return config
+
+    def session(self, variant: str):
+        if variant not in self.sessions:
+            self.sessions[variant] = self.tf.compat.v1.Session(
+                self.server.target, graph=self.model.graph, config=self.session_config(variant))
+        return self.sessions[variant]
+
+    def timed(self, session, fetch, steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            session.run(fetch)
+            times.append(time.perf_counter() - start)
+        return times
+
+    # ------------------------------------------------------------------ commands
+    def init(self, command):
+        self.session("default").run(self.model.init)
+        return {}
+
+    def warmup(self, command):
+        earlier = self.tfoverlap.recent_reports()
+        seconds = self.timed(self.session(command["variant"]), self.model.fetch, 2)
+        summary = {}
+        if self.config["variants"][command["variant"]].get("tfoverlap") is not None:
+            summary = self._pass_summary(earlier[-1] if earlier else None)
+        return {"seconds": seconds, "pass": summary}
+
+    def _pass_summary(self, last_earlier_report) -> dict:
+        """What the pass did in the reports recorded after ``last_earlier_report``."""
+        reports = self.tfoverlap.recent_reports()
+        for index, report in enumerate(reports):
+            if report is last_earlier_report:
+                reports = reports[index + 1:]
+                break
+        for report in reversed(reports):
+            for entry in report.passes:
+                if entry.summary.get("transfers"):
+                    return {"transfers": entry.summary["transfers"],
+                            "ordering_edges": entry.summary.get("ordering_edges", 0),
+                            "modified": report.modified}
+        return {"transfers": 0, "ordering_edges": 0, "modified": False}
+
+    def profile(self, command):
+        self.tfoverlap.profile(self.session("default"), self.model.fetch,
+                               steps=command["steps"], warmup=1, path=command["path"])
+        return {}
+
+    def steps(self, command):
+        return {"times": self.timed(self.session(command["variant"]), self.model.fetch,
+                                    command["steps"])}
+
+    def trace(self, command):
+        from tfoverlap.trace import observed_transfer_order, recv_events
+        tf = self.tf
+        metadata = tf.compat.v1.RunMetadata()
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        start = time.perf_counter()
+        self.session(command["variant"]).run(self.model.fetch, options=options,
+                                             run_metadata=metadata)
+        seconds = time.perf_counter() - start
+        compute = []
+        for device_stats in metadata.step_stats.dev_stats:
+            if not self._is_this_worker(device_stats.device):
+                continue
+            for node in device_stats.node_stats:
+                if node.node_name in ("RecvTensor", "_SOURCE", "_SINK"):
+                    continue
+                duration = node.op_end_rel_micros - node.op_start_rel_micros
+                if duration > 0:
+                    compute.append([node.node_name, node.all_start_micros + node.op_start_rel_micros,
+                                    duration])
+        transfers = [[e.source, e.start_micros, e.duration_micros, e.bytes]
+                     for e in recv_events(metadata)
+                     if self._is_this_worker(e.destination_device) and e.bytes > 0]
+        origin = min([c[1] for c in compute] + [t[1] for t in transfers], default=0)
+        for event in compute + transfers:
+            event[1] -= origin
+        return {"seconds": seconds, "order": observed_transfer_order(metadata),
+                "compute": compute, "transfers": transfers}
+
+    def _is_this_worker(self, device: str) -> bool:
+        return "/job:worker/" in device and f"/task:{self.task}/" in device
+
+    def comm(self, command):
+        session = self.session("default")
+        session.run(self.comm_fetch)
+        return {"times": self.timed(session, self.comm_fetch, command["steps"])}
+
+    def comp(self, command):
+        from tfoverlap.testbed.models import build_model
+        if self.local_session is None:
+            config = self.config
+            local = build_model(config["model"], batch=config["batch"], num_ps=0,
+                                worker_device="/cpu:0", training=config["training"],
+                                image_size=config["image_size"], width=config["width"],
+                                seed=config["seed"])
+            self.local_session = self.tf.compat.v1.Session(graph=local.graph, config=self.base)
+            self.local_session.run(local.init)
+            self.local_fetch = local.fetch
+            self.local_session.run(self.local_fetch)
+        return {"times": self.timed(self.local_session, self.local_fetch, command["steps"])}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    worker = Worker(json.loads(argv[0]))
+    print(ANSWER + json.dumps({"ready": True, "nodes": len(worker.model.graph.as_graph_def().node),
+                               "variables": len(worker.model.variables),
+                               "parameter_bytes": worker.model.parameter_bytes}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "quit":
+            break
+        try:
+            answer = getattr(worker, command["cmd"])(command)
+        except Exception as error:  # reported to the driver, which stops the run
+            answer = {"error": f"{type(error).__name__}: {error}",
+                      "traceback": traceback.format_exc(limit=5)}
+        print(ANSWER + json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

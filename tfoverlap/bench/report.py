@@ -1,0 +1,95 @@
+"""Benchmark output: CSV, a Markdown table, and PNG plots (speed-ups; one step's timeline)."""
+from __future__ import annotations
+
+import csv
+import math
+
+__all__ = ["write_csv", "markdown_table", "plot_speedups", "plot_timelines"]
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    if not rows:
+        raise ValueError("no benchmark rows to write")
+    with open(path, "w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _number(value, digits: int = 2) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    return f"{value:.{digits}f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per configuration and variant; the default's line carries comm/comp."""
+    lines = ["| model | mode | batch | link | variant | iteration s (p10-p90) | samples/s | "
+             "speed-up (95% CI) | comm/comp | E | straggler | orders |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        speedup = (f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f})"
+                   if row["variant"] != "default" else "1.00x")
+        lines.append(
+            f"| {row['model']} | {row['mode']} | {row['batch']} | {row['gbit_per_s']:g} Gbit/s "
+            f"| {row['variant']} | {row['median_s']:.3f} ({row['p10_s']:.3f}-{row['p90_s']:.3f}) "
+            f"| {row['samples_per_s']:.1f} | {speedup} | "
+            f"{row['comm_s']:.2f}/{row['comp_s']:.2f} = {row['comm_over_comp']:.2f} | "
+            f"{_number(row['efficiency'])} | {100 * row['straggler']:.1f}% | "
+            f"{row['distinct_orders']} ({100 * row['top_order_share']:.0f}% top) |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedups(rows: list[dict], path: str) -> None:
+    """Grouped bars: speed-up over TensorFlow's default per configuration and variant."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    configurations = list(dict.fromkeys((row["model"], row["mode"]) for row in rows))
+    variants = [v for v in dict.fromkeys(row["variant"] for row in rows) if v != "default"]
+    width = 0.8 / max(1, len(variants))
+    figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(configurations) + 2), 4))
+    for index, variant in enumerate(variants):
+        xs, heights, errors = [], [], [[], []]
+        for position, configuration in enumerate(configurations):
+            row = next((r for r in rows if (r["model"], r["mode"]) == configuration
+                        and r["variant"] == variant), None)
+            if row is None:
+                continue
+            xs.append(position + (index - (len(variants) - 1) / 2) * width)
+            heights.append(row["speedup"])
+            errors[0].append(row["speedup"] - row["ci_low"])
+            errors[1].append(row["ci_high"] - row["speedup"])
+        axes.bar(xs, heights, width, yerr=errors, capsize=3, label=variant)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(configurations)))
+    axes.set_xticklabels([f"{model}\n{mode}" for model, mode in configurations])
+    axes.set_ylabel("speed-up over TF default")
+    axes.legend(loc="upper left", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_timelines(traces: dict[str, dict], title: str, path: str) -> None:
+    """One step of worker 0 per variant: its transfers and its compute on one time axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, panels = plt.subplots(len(traces), 1, figsize=(10, 1.8 * len(traces) + 0.6),
+                                  sharex=True, squeeze=False)
+    for panel, (variant, trace) in zip(panels[:, 0], traces.items()):
+        transfers = [(start / 1e3, duration / 1e3) for _, start, duration, _ in
+                     trace["transfers"]]
+        compute = [(start / 1e3, duration / 1e3) for _, start, duration in trace["compute"]]
+        panel.broken_barh(transfers, (10, 8), facecolors="tab:orange")
+        panel.broken_barh(compute, (0, 8), facecolors="tab:blue")
+        panel.set_yticks([4, 14])
+        panel.set_yticklabels(["compute", "transfers"])
+        panel.set_title(f"{variant}: step {trace['seconds'] * 1e3:.0f} ms", fontsize="small",
+                        loc="left")
+    panels[-1, 0].set_xlabel("ms since the step's first event (worker 0)")
+    figure.suptitle(title, fontsize="medium")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
