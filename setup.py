@@ -40,6 +40,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["tfoverlap", "tfoverlap.*"]),
+    package_data={"tfoverlap.testbed": ["mpi_rsh_agent.sh"]},
     ext_modules=[Extension("tfoverlap._tfoverlap_optimizer",
                            sources=["native/tfoverlap_optimizer.cc"])],
     cmdclass={"build_ext": BuildAgainstInstalledTensorFlow},

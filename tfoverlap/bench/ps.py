@@ -24,7 +24,7 @@ import time
 
 from tfoverlap.options import parse_bandwidth
 
-__all__ = ["Configuration", "VARIANTS", "DEFAULT_SETTINGS", "run_configuration", "main"]
+__all__ = ["Configuration", "VARIANTS", "DEFAULT_BATCH", "DEFAULT_BANDWIDTH", "run_configuration", "main"]
 
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
 VARIANTS = {
@@ -34,15 +34,16 @@ VARIANTS = {
     "tac": {"tfoverlap": {"schedule": "tac"}},  # the profile path is added per worker
 }
 
-#: (model, training) -> (batch, bandwidth in bytes/s) chosen for comm/comp near 1 with
-#: two workers on this project's 2-core machines (the measured ratio is reported).
-DEFAULT_SETTINGS = {
-    ("seq32", False): (1024, 125e6), ("seq32", True): (384, 125e6),
-    ("par32", False): (1024, 125e6), ("par32", True): (384, 125e6),
-    ("resnet50", False): (16, 125e6), ("resnet50", True): (4, 125e6),
-    ("inception_v3", False): (16, 125e6), ("inception_v3", True): (4, 125e6),
-    ("vgg16", False): (4, 312.5e6), ("vgg16", True): (2, 312.5e6),
+#: (model, training) -> batch size chosen for comm/comp near 1 at DEFAULT_BANDWIDTH with
+#: one PS and two workers on this project's 2-core machines (the measured ratio is reported).
+DEFAULT_BATCH = {
+    ("seq32", False): 1536, ("seq32", True): 512,
+    ("par32", False): 1536, ("par32", True): 512,
+    ("resnet50", False): 8, ("resnet50", True): 3,
+    ("inception_v3", False): 12, ("inception_v3", True): 3,
+    ("vgg16", False): 12, ("vgg16", True): 4,
 }
+DEFAULT_BANDWIDTH = parse_bandwidth("2.5Gbit")
 
 
 @dataclasses.dataclass
@@ -138,12 +139,14 @@ def run_configuration(config: Configuration, variants=tuple(VARIANTS), rounds: i
             worker_config = dataclasses.asdict(config)
             worker_config.update(spec=cluster.spec, task=task, variants={
                 name: _variant_spec(name, workdir, task) for name in variants})
-            process = cluster.spawn_worker(
-                task, [sys.executable, "-m", "tfoverlap.bench.ps_worker",
-                       json.dumps(worker_config)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-            channels.append(LineChannel(process, f"worker {task}"))
+            log_path = os.path.join(workdir, f"worker{task}.log")
+            with open(log_path, "w") as log:
+                process = cluster.spawn_worker(
+                    task, [sys.executable, "-m", "tfoverlap.bench.ps_worker",
+                           json.dumps(worker_config)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                    text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+            channels.append(LineChannel(process, f"worker {task} (log: {log_path})"))
         workers = _Workers(channels, timeout)
         graph = workers.ready()[0]
         workers.ask_each([{"cmd": "init"}] + [None] * (config.num_workers - 1))
@@ -192,8 +195,11 @@ def summarize(result: dict) -> list[dict]:
     for name, values in result["times"].items():
         iteration = metrics.spread(values)
         ratio, low, high = metrics.speedup(baseline, values)
-        orders = [answer["order"] for traced in result["traces"][name] for answer in traced]
-        distinct, share = metrics.order_consistency(orders)
+        per_worker = [metrics.order_consistency([traced[w]["order"]
+                                                 for traced in result["traces"][name]])
+                      for w in range(config["num_workers"])]
+        distinct = max(d for d, _ in per_worker)
+        share = min(s for _, s in per_worker)
         rows.append({
             "model": config["model"], "mode": "training" if config["training"] else "inference",
             "batch": config["batch"], "gbit_per_s": config["bandwidth"] * 8 / 1e9,
@@ -256,10 +262,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     rows, results = [], []
     for model, training in configurations:
-        default_batch, default_bandwidth = DEFAULT_SETTINGS.get((model, training),
-                                                                (64, 125e6))
-        config = Configuration(model, training, args.batch or default_batch,
-                               bandwidth or default_bandwidth, num_ps=args.ps,
+        config = Configuration(model, training,
+                               args.batch or DEFAULT_BATCH.get((model, training), 64),
+                               bandwidth or DEFAULT_BANDWIDTH, num_ps=args.ps,
                                num_workers=args.workers)
         result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
                                    traces=args.traces, workdir=os.path.join(args.out, "work"))

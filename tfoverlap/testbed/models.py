@@ -59,6 +59,21 @@ def _finish(graph, device, loss, variables, training: bool, learning_rate: float
     return PsModel(graph=graph, init=init, loss=loss, train_op=train_op, variables=variables)
 
 
+class _LeastLoadedTask:
+    """``replica_device_setter`` strategy: each variable to the PS task with fewest bytes."""
+
+    def __init__(self, num_tasks: int):
+        self.loads = [0] * num_tasks
+
+    def __call__(self, op) -> int:
+        import tensorflow as tf
+        shape = tf.TensorShape(op.get_attr("shape"))
+        size = (shape.num_elements() or 1) * tf.as_dtype(op.get_attr("dtype")).size
+        task = self.loads.index(min(self.loads))
+        self.loads[task] += size
+        return task
+
+
 def chain_model(num_layers: int = 16, width: int = 256, batch: int = 64,
                 num_ps: int = 1, worker_device: str = "/job:worker/task:0",
                 ps_devices: Sequence[str] | None = None, use_resource: bool = True,
@@ -128,8 +143,8 @@ def keras_model(application: str, batch: int = 8, image_size: int = 224, num_ps:
                 learning_rate: float = 0.01, seed: int = 0, classes: int = 1000) -> PsModel:
     """A ``tf.keras.applications`` model without weights, on synthetic images.
 
-    Variables are spread over the PS tasks by size (greedy load balancing, as
-    ``replica_device_setter`` offers), the compute runs on ``worker_device``. With
+    Variables are spread over the PS tasks by size (each to the least loaded task), the
+    compute runs on ``worker_device``. With
     ``num_ps=0`` everything runs on ``worker_device`` (the compute-only reference).
     """
     import tensorflow as tf
@@ -138,10 +153,9 @@ def keras_model(application: str, batch: int = 8, image_size: int = 224, num_ps:
         tf.compat.v1.set_random_seed(seed)
         setter = worker_device
         if num_ps > 0:
-            strategy = tf.compat.v1.train.GreedyLoadBalancingStrategy(
-                num_ps, tf.compat.v1.train.byte_size_load_fn)
             setter = tf.compat.v1.train.replica_device_setter(
-                ps_tasks=num_ps, worker_device=worker_device, ps_strategy=strategy)
+                ps_tasks=num_ps, worker_device=worker_device,
+                ps_strategy=_LeastLoadedTask(num_ps))
         with tf.compat.v1.device(setter):
             model = getattr(tf.keras.applications, KERAS_APPLICATIONS[application])(
                 weights=None, input_shape=(image_size, image_size, 3), classes=classes)

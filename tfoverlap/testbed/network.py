@@ -3,8 +3,11 @@
 Layout (all of it inside namespaces this module creates, nothing in the root namespace)::
 
     tfo-h0 [eth0 10.213.0.1] ---veth--- [p0]
-    tfo-h1 [eth0 10.213.0.2] ---veth--- [p1]  br0 in tfo-sw
+    tfo-h1 [eth0 10.213.0.2] ---veth--- [p1]  br0 10.213.0.254 in tfo-sw
     ...
+
+The switch namespace doubles as the *launcher host*: launchers that every host must reach
+(a Gloo rendezvous server, ``mpirun``) run there (:meth:`EmulatedNetwork.spawn_launcher`).
 
 Every host link is shaped in both directions with tc ``tbf`` (the kernel here has no
 netem, so bandwidth can be emulated but latency cannot). Processes started with
@@ -35,8 +38,10 @@ __all__ = ["EmulatedNetwork", "NetworkError", "LineChannel", "free_ports", "left
 NAMESPACE_PREFIX = "tfo-"
 SWITCH_NAMESPACE = "tfo-sw"
 SUBNET_PREFIX = "10.213.0."
+LAUNCHER_ADDRESS = SUBNET_PREFIX + "254"
 BASE_PORT = 20000
 LOCK_PATH = "/run/tfoverlap-testbed.lock"
+NETNS_ETC = "/etc/netns"
 
 
 class NetworkError(RuntimeError):
@@ -104,10 +109,14 @@ def _namespaces() -> list[str]:
 
 
 def leftovers() -> list[str]:
-    """Namespaces of this testbed that exist right now (empty when all is torn down)."""
-    if shutil.which("ip") is None:
-        return []
-    return sorted(name for name in _namespaces() if name.startswith(NAMESPACE_PREFIX))
+    """Namespaces of this testbed (or their /etc/netns files) that exist right now."""
+    found = set()
+    if shutil.which("ip") is not None:
+        found.update(name for name in _namespaces() if name.startswith(NAMESPACE_PREFIX))
+    if os.path.isdir(NETNS_ETC):
+        found.update(name for name in os.listdir(NETNS_ETC)
+                     if name.startswith(NAMESPACE_PREFIX))
+    return sorted(found)
 
 
 def _kill_namespace_processes(namespace: str) -> None:
@@ -125,6 +134,10 @@ def remove_leftovers() -> list[str]:
     for namespace in found:
         _kill_namespace_processes(namespace)
         _ip("netns", "del", namespace, check=False)
+    if os.path.isdir(NETNS_ETC):
+        for name in os.listdir(NETNS_ETC):
+            if name.startswith(NAMESPACE_PREFIX):
+                shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
     return found
 
 
@@ -262,7 +275,9 @@ class EmulatedNetwork:
     def _build(self) -> None:
         _ip("netns", "add", SWITCH_NAMESPACE)
         _ip("-n", SWITCH_NAMESPACE, "link", "add", "br0", "type", "bridge")
+        _ip("-n", SWITCH_NAMESPACE, "addr", "add", f"{LAUNCHER_ADDRESS}/24", "dev", "br0")
         _ip("-n", SWITCH_NAMESPACE, "link", "set", "br0", "up")
+        _ip("-n", SWITCH_NAMESPACE, "link", "set", "lo", "up")
         for host in range(self.num_hosts):
             namespace, port = self.namespace(host), f"p{host}"
             _ip("netns", "add", namespace)
@@ -272,11 +287,26 @@ class EmulatedNetwork:
             _ip("-n", SWITCH_NAMESPACE, "link", "set", port, "up")
             _ip("-n", namespace, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
             _ip("-n", namespace, "link", "set", "eth0", "up")
+            self._write_hosts_file(host)
             _ip("-n", namespace, "link", "set", "lo", "up")
             if self.bandwidth is not None:
                 for where, link in ((namespace, "eth0"), (SWITCH_NAMESPACE, port)):
                     self._tc(where, "qdisc", "add", "dev", link, "root",
                              *_tbf_arguments(self.bandwidth))
+
+    def _write_hosts_file(self, host: int) -> None:
+        """The host's own names resolve to its address inside its namespace.
+
+        ``ip netns exec`` mounts /etc/netns/NAME/hosts over /etc/hosts. Without it the
+        machine's name resolves to 127.0.0.1 everywhere, and Horovod's Gloo contexts for
+        process sets (which bind to the host name's address, not HOROVOD_GLOO_IFACE)
+        would advertise an address the other hosts cannot reach.
+        """
+        directory = os.path.join(NETNS_ETC, self.namespace(host))
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "hosts"), "w") as hosts:
+            hosts.write(f"127.0.0.1 localhost\n{self.address(host)} {self.namespace(host)} "
+                        f"{socket.gethostname()}\n")
 
     @staticmethod
     def _tc(namespace: str, *args: str) -> None:
@@ -292,14 +322,28 @@ class EmulatedNetwork:
             return list(argv)
         return ["ip", "netns", "exec", self.namespace(host)] + list(argv)
 
+    @property
+    def launcher_address(self) -> str:
+        """Where processes started by :meth:`spawn_launcher` are reached from every host."""
+        return "127.0.0.1" if self.mode == "loopback" else LAUNCHER_ADDRESS
+
     def spawn(self, host: int, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         """Starts ``argv`` on ``host`` in its own process group; ``close()`` kills it."""
-        if self.mode == "down":
-            raise NetworkError("the network is not up (use it as a context manager)")
         if not 0 <= host < self.num_hosts:
             raise ValueError(f"host {host} is not in 0..{self.num_hosts - 1}")
-        process = subprocess.Popen(self.command(host, argv), start_new_session=True,
-                                   **popen_kwargs)
+        return self._start(self.command(host, argv), popen_kwargs)
+
+    def spawn_launcher(self, argv: list[str], **popen_kwargs) -> subprocess.Popen:
+        """Starts ``argv`` on the launcher host (the switch), reachable from every host."""
+        if self.mode == "loopback":
+            return self._start(list(argv), popen_kwargs)
+        return self._start(["ip", "netns", "exec", SWITCH_NAMESPACE] + list(argv),
+                           popen_kwargs)
+
+    def _start(self, argv: list[str], popen_kwargs: dict) -> subprocess.Popen:
+        if self.mode == "down":
+            raise NetworkError("the network is not up (use it as a context manager)")
+        process = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
         self.processes.append(process)
         return process
 
@@ -318,8 +362,6 @@ class EmulatedNetwork:
                 pass
         self.processes.clear()
         if self.mode == "namespaces":
-            for host in range(self.num_hosts):
-                _kill_namespace_processes(self.namespace(host))
             remove_leftovers()
         self.mode = "down"
         if self._previous_sigterm is not None:

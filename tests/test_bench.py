@@ -1,0 +1,59 @@
+"""A small end-to-end run of the PS benchmark: tiny model, two workers, a shaped link."""
+import math
+import os
+
+import pytest
+
+from tfoverlap.bench import ps, report
+from tfoverlap.testbed.network import leftovers
+
+
+def _chain_reads(num_layers):
+    """The PS-side reads of the chain's kernels, first layer first (the MatMuls' reads)."""
+    return ["MatMul/ReadVariableOp"] + [f"MatMul_{k}/ReadVariableOp"
+                                        for k in range(1, num_layers)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (namespaces, tc)")
+def test_small_benchmark_end_to_end(tmp_path):
+    config = ps.Configuration("seq8", training=False, batch=256, bandwidth=125e6,
+                              num_ps=1, num_workers=2, width=512)
+    result = ps.run_configuration(config, ("default", "tic"), rounds=1, steps=2, traces=2,
+                                  workdir=str(tmp_path / "work"), timeout=300)
+    assert leftovers() == []
+    assert result["network"].startswith("3 network namespaces")
+    assert result["passes"]["tic"]["transfers"] == 8
+    assert result["passes"]["tic"]["ordering_edges"] == 7
+    rows = ps.summarize(result)
+    assert [row["variant"] for row in rows] == ["default", "tic"]
+    for row in rows:
+        assert row["steps"] == 2 * 2  # steps x workers
+        assert row["median_s"] > 0 and row["comm_s"] > 0 and row["comp_s"] > 0
+        assert not math.isnan(row["efficiency"])
+    tic = rows[1]
+    # The enforced order holds on both workers in every traced step, in layer order.
+    assert tic["distinct_orders"] == 1 and tic["top_order_share"] == 1.0
+    for traced in result["traces"]["tic"]:
+        for answer in traced:
+            assert answer["order"] == _chain_reads(8)
+    # The transfers moved 8 kernels of 512x512 floats into worker 0 in the traced step.
+    transfers = result["traces"]["tic"][0][0]["transfers"]
+    assert sum(t[3] for t in transfers) == pytest.approx(8 * 512 * 512 * 4, rel=0.05)
+    table = report.markdown_table(rows)
+    assert "| seq8 | inference | 256 | 1 Gbit/s | tic |" in table
+    report.write_csv(rows, str(tmp_path / "results.csv"))
+    report.plot_speedups(rows, str(tmp_path / "speedups.png"))
+    report.plot_timelines({"default": result["traces"]["default"][0][0],
+                           "tic": result["traces"]["tic"][0][0]}, "seq8",
+                          str(tmp_path / "timeline.png"))
+    assert (tmp_path / "results.csv").read_text().count("\n") == 3
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_bad_benchmark_options_are_one_line_errors(capsys):
+    assert ps.main(["--models", "resnet9000"]) == 2
+    assert ps.main(["--models", "seq32:sideways"]) == 2
+    assert ps.main(["--bandwidth=-3Gbit"]) == 2
+    assert ps.main(["--workers", "0"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 4 and all(line.startswith("tfoverlap bench: ") for line in errors)

@@ -1,0 +1,182 @@
+"""The benchmark harness: metric math, the emulated network, its teardown, the launchers."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfoverlap.bench import metrics
+from tfoverlap.testbed.network import EmulatedNetwork, NetworkError, leftovers
+
+IS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="network namespaces need root")
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "allreduce_ranks.py")
+
+
+# ---------------------------------------------------------------- metrics on hand-made numbers
+def test_spread_and_speedup():
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    result = metrics.spread(values)
+    assert (result.median, result.count) == (3.0, 5)
+    assert result.p10 == pytest.approx(1.4) and result.p90 == pytest.approx(4.6)
+    ratio, low, high = metrics.speedup([2.0, 2.0, 2.0], [1.0, 1.0, 1.0])
+    assert (ratio, low, high) == (2.0, 2.0, 2.0)
+    ratio, low, high = metrics.speedup([2.0, 2.1, 1.9, 2.0], [1.0, 1.2, 0.9, 1.1])
+    assert low <= ratio <= high and 1.5 < low and high < 2.5
+    with pytest.raises(ValueError):
+        metrics.speedup([], [1.0])
+    with pytest.raises(ValueError):
+        metrics.speedup([1.0], [0.0])
+
+
+def test_efficiency_bounds():
+    assert metrics.efficiency(3.0, comm=1.0, comp=2.0) == 0.0   # no overlap at all
+    assert metrics.efficiency(2.0, comm=1.0, comp=2.0) == 1.0   # full overlap
+    assert metrics.efficiency(2.5, comm=1.0, comp=2.0) == 0.5
+    assert math.isnan(metrics.efficiency(1.0, comm=0.0, comp=1.0))
+    with pytest.raises(ValueError):
+        metrics.efficiency(0.0, 1.0, 1.0)
+
+
+def test_straggler_effect_and_order_consistency():
+    assert metrics.straggler_effect([[1.0, 1.1], [2.0, 2.0], [1.0, 1.5]]) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        metrics.straggler_effect([[1.0]])
+    assert metrics.order_consistency([["a", "b"], ["a", "b"], ["b", "a"], ["a", "b"]]) == (
+        2, 0.75)
+
+
+# ---------------------------------------------------------------- the network
+def test_loopback_network_gives_distinct_ports_and_no_namespaces():
+    with EmulatedNetwork(3, loopback=True) as network:
+        assert network.mode == "loopback"
+        assert {network.address(h) for h in range(3)} == {"127.0.0.1"}
+        assert len({network.port(h) for h in range(3)}) == 3
+        assert network.port(1) == network.port(1)
+        assert network.command(0, ["true"]) == ["true"]
+    with pytest.raises(ValueError):
+        EmulatedNetwork(0)
+    with pytest.raises(ValueError):
+        EmulatedNetwork(2, bandwidth=-1.0)
+
+
+_RECEIVER = """
+import socket, sys, time
+server = socket.socket(); server.bind(("0.0.0.0", 20000)); server.listen()
+print("listening", flush=True)
+connection, _ = server.accept(); received = 0; start = None
+while True:
+    data = connection.recv(1 << 20)
+    if not data:
+        break
+    start = start or time.perf_counter(); received += len(data)
+print(received, time.perf_counter() - start, flush=True)
+"""
+_SENDER = """
+import socket, sys
+connection = socket.create_connection((sys.argv[1], 20000))
+connection.sendall(b"x" * int(sys.argv[2])); connection.close()
+"""
+
+
+@needs_root
+def test_namespaces_connect_hosts_and_shape_each_link():
+    rate = 12.5e6  # 100 Mbit/s
+    with EmulatedNetwork(2, bandwidth=rate, allow_fallback=False) as network:
+        assert network.mode == "namespaces"
+        assert set(leftovers()) == {"tfo-h0", "tfo-h1", "tfo-sw"}
+        receiver = network.spawn(0, [sys.executable, "-c", _RECEIVER],
+                                 stdout=subprocess.PIPE, text=True)
+        assert receiver.stdout.readline().strip() == "listening"
+        sender = network.spawn(1, [sys.executable, "-c", _SENDER, network.address(0),
+                                   str(8_000_000)])
+        assert sender.wait(timeout=60) == 0
+        received, seconds = receiver.stdout.readline().split()
+        assert int(received) == 8_000_000
+        achieved = int(received) / float(seconds)
+        assert 0.7 * rate < achieved < 1.15 * rate, f"{achieved / 1e6:.1f} MB/s"
+    assert leftovers() == []
+
+
+@needs_root
+def test_a_second_run_is_refused_while_one_is_active():
+    with EmulatedNetwork(1):
+        with pytest.raises(NetworkError, match="another testbed run is active"):
+            with EmulatedNetwork(1):
+                pass
+    assert leftovers() == []
+
+
+_HOLDER = """
+import subprocess, sys, time
+from tfoverlap.testbed.network import EmulatedNetwork
+with EmulatedNetwork(2, bandwidth=12.5e6) as network:
+    child = network.spawn(1, ["sleep", "1000"])
+    print(child.pid, flush=True)
+    time.sleep(1000)
+"""
+
+
+def _start_holder():
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE,
+                              text=True)
+    child_pid = int(holder.stdout.readline())
+    return holder, child_pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
+
+
+@needs_root
+def test_leftovers_of_a_killed_run_are_removed_by_the_next_run():
+    holder, child_pid = _start_holder()
+    holder.kill()  # SIGKILL: no chance to clean up
+    holder.wait()
+    assert "tfo-h1" in leftovers() and _alive(child_pid)
+    with EmulatedNetwork(1) as network:
+        assert "tfo-h1" in network.removed_leftovers
+    assert leftovers() == []
+    deadline = time.monotonic() + 5
+    while _alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child_pid)
+
+
+@needs_root
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_run_tears_everything_down(signum):
+    holder, child_pid = _start_holder()
+    holder.send_signal(signum)
+    assert holder.wait(timeout=30) != 0
+    assert leftovers() == []
+    assert not _alive(child_pid)
+
+
+# ---------------------------------------------------------------- the Horovod launchers
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("loopback", [False, True])
+def test_horovod_launcher_runs_one_rank_per_host(controller, loopback):
+    from tfoverlap.testbed.horovod import run_horovod
+    if not loopback and not IS_ROOT:
+        pytest.skip("ranks in namespaces need root")
+    with EmulatedNetwork(2, bandwidth=125e6, loopback=loopback) as network:
+        result = run_horovod(network, 2, [sys.executable, JOB], controller=controller,
+                             timeout=180)
+    assert result.returncode == 0, result.outputs
+    reports = [json.loads(output.strip().splitlines()[-1]) for output in result.outputs]
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(r["size"] == 2 and r["sum"] == 3.0 for r in reports)
+    assert all(r[controller] for r in reports)
+    if not loopback:
+        assert reports[0]["netns"] != reports[1]["netns"]
+        assert leftovers() == []
