@@ -151,10 +151,11 @@ def run_configuration(config: Configuration, variants=tuple(VARIANTS), rounds: i
         graph = workers.ready()[0]
         workers.ask_each([{"cmd": "init"}] + [None] * (config.num_workers - 1))
         workers.ask({"cmd": "warmup", "variant": "default"})
-        if "tac" in variants:
-            _progress(f"{config.label}: profiling default steps for TAC")
-            workers.ask_each([{"cmd": "profile", "steps": 3, "path": _profile_path(workdir, t)}
-                              for t in range(config.num_workers)])
+        workers.ask_each([{"cmd": "save_graph", "path": os.path.join(workdir, "graph.pb")}]
+                         + [None] * (config.num_workers - 1))
+        _progress(f"{config.label}: profiling default steps (for TAC and the simulator)")
+        workers.ask_each([{"cmd": "profile", "steps": 3, "path": _profile_path(workdir, t)}
+                          for t in range(config.num_workers)])
         passes = {}
         for name in variants:
             passes[name] = workers.ask({"cmd": "warmup", "variant": name})[0]["pass"]
@@ -180,6 +181,7 @@ def run_configuration(config: Configuration, variants=tuple(VARIANTS), rounds: i
             channel.send(json.dumps({"cmd": "quit"}))
         description = network.describe()
     return {"config": dataclasses.asdict(config), "network": description, "graph": graph,
+            "workdir": workdir,
             "passes": passes, "comm": comm, "comp": comp, "times": times, "blocks": blocks,
             "traces": traced}
 
@@ -266,8 +268,9 @@ def main(argv=None) -> int:
                                args.batch or DEFAULT_BATCH.get((model, training), 64),
                                bandwidth or DEFAULT_BANDWIDTH, num_ps=args.ps,
                                num_workers=args.workers)
+        workdir = os.path.join(args.out, "work", f"{model}-{config.mode}")
         result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
-                                   traces=args.traces, workdir=os.path.join(args.out, "work"))
+                                   traces=args.traces, workdir=workdir)
         results.append(result)
         rows.extend(summarize(result))
         timelines = {name: result["traces"][name][0][0] for name in ("default", "tic")

@@ -7,6 +7,7 @@ line on stdin, one JSON answer per line on stdout (prefixed with :data:`ANSWER`)
 
 - ``init``: initialize the variables (the chief only);
 - ``warmup {variant}``: open the variant's session (Grappler runs) and run two steps;
+- ``save_graph {path}``: write the model's GraphDef (for the simulator and the CLI);
 - ``profile {steps, path}``: profile default steps for TAC (``tfoverlap.profile``);
 - ``steps {variant, steps}``: timed steps, answers their wall times;
 - ``trace {variant}``: one fully traced step: the observed transfer order and a timeline;
@@ -120,6 +121,12 @@ class Worker:
                             "ordering_edges": entry.summary.get("ordering_edges", 0),
                             "modified": report.modified}
         return {"transfers": 0, "ordering_edges": 0, "modified": False}
+
+    def save_graph(self, command):
+        """Writes the model's GraphDef (as built, before Grappler) for offline tools."""
+        with open(command["path"], "wb") as stream:
+            stream.write(self.model.graph.as_graph_def().SerializeToString())
+        return {}
 
     def profile(self, command):
         self.tfoverlap.profile(self.session("default"), self.model.fetch,
