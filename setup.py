@@ -45,4 +45,5 @@ setup(
                            sources=["native/tfoverlap_optimizer.cc"])],
     cmdclass={"build_ext": BuildAgainstInstalledTensorFlow},
     install_requires=["numpy", "absl-py"],
+    entry_points={"console_scripts": ["tfoverlap = tfoverlap.cli:main"]},
 )

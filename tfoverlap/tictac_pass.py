@@ -19,13 +19,13 @@ from tfoverlap.rewriters.control_edges import (ARRIVAL_PREFIX, ArrivalNode, add_
 from tfoverlap.schedulers.tictac import group_dependency_sets, tac_order, tic_order
 from tfoverlap.transfers import Transfer, find_transfers
 
-__all__ = ["tictac_pass", "plan_transfer_order"]
+__all__ = ["tictac_pass", "plan_transfer_order", "dependency_bits"]
 
 logger = logging.getLogger("tfoverlap")
 _estimate_notes: set[str] = set()
 
 
-def _dependency_bits(model: GraphModel, topological: list[int],
+def dependency_bits(model: GraphModel, topological: list[int],
                      transfers: list[Transfer]) -> list[int]:
     """For every node, the bitset of transfers it needs, directly or transitively."""
     direct = [0] * model.num_nodes
@@ -107,7 +107,7 @@ def plan_transfer_order(graph_def, context: PassContext):
     position = [0] * model.num_nodes
     for rank, node in enumerate(topological):
         position[node] = rank
-    bits = _dependency_bits(model, topological, transfers)
+    bits = dependency_bits(model, topological, transfers)
     costs = _Costs(graph_def, model, context) if options.schedule == "tac" else None
     if costs is not None:
         costs.check_matches(transfers)

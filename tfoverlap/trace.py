@@ -10,7 +10,7 @@ import dataclasses
 import re
 
 __all__ = ["RecvEvent", "recv_events", "observed_transfer_order", "op_durations",
-           "op_start_order"]
+           "op_start_order", "step_timeline", "device_matches"]
 
 _RECV_LABEL = re.compile(
     r"\[(?P<size>[0-9.]+)(?P<unit>[KMG]?B)\].*?edge_\d+_(?P<source>\S+?)(?::\d+)? from "
@@ -88,3 +88,40 @@ def op_start_order(run_metadata, device_filter: str, names) -> list[str]:
                 if node.node_name in wanted:
                     starts[node.node_name] = node.all_start_micros
     return sorted(starts, key=lambda name: (starts[name], name))
+
+
+def device_matches(device: str, device_filter: str) -> bool:
+    """Whether ``device`` is (on) the device ``device_filter`` names, e.g. "/job:worker/task:1"
+    matches "/job:worker/replica:0/task:1/device:CPU:0" but not ".../task:10/...".
+    An empty filter matches every device."""
+    if not device_filter:
+        return True
+    wanted = [field for field in device_filter.strip("/").split("/") if field]
+    fields = device.strip("/").split("/")
+    return all(any(f == w or f.startswith(w + ":") for f in fields) for w in wanted)
+
+
+def step_timeline(run_metadata, device_filter: str = "") -> dict:
+    """One traced step as plain lists, times in microseconds since its first event:
+
+    ``compute``: [node name, start, duration] of ops on matching devices,
+    ``transfers``: [source node, start, duration, bytes] of data received by them.
+    """
+    compute = []
+    for device_stats in _step_stats(run_metadata).dev_stats:
+        if not device_matches(device_stats.device, device_filter):
+            continue
+        for node in device_stats.node_stats:
+            if node.node_name in ("RecvTensor", "_SOURCE", "_SINK"):
+                continue
+            duration = node.op_end_rel_micros - node.op_start_rel_micros
+            if duration > 0:
+                compute.append([node.node_name, node.all_start_micros + node.op_start_rel_micros,
+                                duration])
+    transfers = [[e.source, e.start_micros, e.duration_micros, e.bytes]
+                 for e in recv_events(run_metadata)
+                 if device_matches(e.destination_device, device_filter) and e.bytes > 0]
+    origin = min([c[1] for c in compute] + [t[1] for t in transfers], default=0)
+    for event in compute + transfers:
+        event[1] -= origin
+    return {"compute": compute, "transfers": transfers}

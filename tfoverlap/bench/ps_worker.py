@@ -123,10 +123,13 @@ class Worker:
         return {"transfers": 0, "ordering_edges": 0, "modified": False}
 
     def save_graph(self, command):
-        """Writes the model's GraphDef (as built, before Grappler) for offline tools."""
+        """Writes what one step runs: the model's GraphDef (as built, before Grappler)
+        pruned to the step's fetch, for the simulator and the CLI."""
+        graph_def = self.tf.compat.v1.graph_util.extract_sub_graph(
+            self.model.graph.as_graph_def(), [self.model.fetch.name.split(":")[0]])
         with open(command["path"], "wb") as stream:
-            stream.write(self.model.graph.as_graph_def().SerializeToString())
-        return {}
+            stream.write(graph_def.SerializeToString())
+        return {"fetch": self.model.fetch.name.split(":")[0]}
 
     def profile(self, command):
         self.tfoverlap.profile(self.session("default"), self.model.fetch,
@@ -138,7 +141,7 @@ class Worker:
                                     command["steps"])}
 
     def trace(self, command):
-        from tfoverlap.trace import observed_transfer_order, recv_events
+        from tfoverlap.trace import observed_transfer_order, step_timeline
         tf = self.tf
         metadata = tf.compat.v1.RunMetadata()
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
@@ -146,28 +149,8 @@ class Worker:
         self.session(command["variant"]).run(self.model.fetch, options=options,
                                              run_metadata=metadata)
         seconds = time.perf_counter() - start
-        compute = []
-        for device_stats in metadata.step_stats.dev_stats:
-            if not self._is_this_worker(device_stats.device):
-                continue
-            for node in device_stats.node_stats:
-                if node.node_name in ("RecvTensor", "_SOURCE", "_SINK"):
-                    continue
-                duration = node.op_end_rel_micros - node.op_start_rel_micros
-                if duration > 0:
-                    compute.append([node.node_name, node.all_start_micros + node.op_start_rel_micros,
-                                    duration])
-        transfers = [[e.source, e.start_micros, e.duration_micros, e.bytes]
-                     for e in recv_events(metadata)
-                     if self._is_this_worker(e.destination_device) and e.bytes > 0]
-        origin = min([c[1] for c in compute] + [t[1] for t in transfers], default=0)
-        for event in compute + transfers:
-            event[1] -= origin
-        return {"seconds": seconds, "order": observed_transfer_order(metadata),
-                "compute": compute, "transfers": transfers}
-
-    def _is_this_worker(self, device: str) -> bool:
-        return "/job:worker/" in device and f"/task:{self.task}/" in device
+        timeline = step_timeline(metadata, self.device)
+        return {"seconds": seconds, "order": observed_transfer_order(metadata), **timeline}
 
     def comm(self, command):
         session = self.session("default")

@@ -1,0 +1,469 @@
+"""The ``tfoverlap`` command: inspect, schedule, trace, plot, simulate.
+
+Every subcommand runs the same code as the Python API (``plan_transfer_order`` is what
+the pass plans; ``tfoverlap.simulation.predict`` is the simulator). A user mistake (a
+file that is not a graph, a profile of another graph, an option out of range) ends with
+one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+__all__ = ["main", "load_graph", "CliError"]
+
+HOROVOD_OPS = ("HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather",
+               "HorovodBroadcast", "HorovodAlltoall", "HorovodReducescatter",
+               "HorovodGroupedReducescatter")
+
+
+class CliError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+# ---------------------------------------------------------------------- loading
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as stream:
+            return stream.read()
+    except OSError as error:
+        raise CliError(f"cannot read {path}: {error.strerror}") from None
+
+
+def _looks_like_graph(graph_def) -> bool:
+    return len(graph_def.node) > 0 and all(node.op and node.name for node in graph_def.node)
+
+
+def load_graph(path: str):
+    """A GraphDef from a GraphDef (.pb/.pbtxt), a MetaGraphDef or a SavedModel directory."""
+    from google.protobuf import message, text_format
+    from tensorflow.core.framework import graph_pb2
+    from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
+    if os.path.isdir(path):
+        candidate = os.path.join(path, "saved_model.pb")
+        if not os.path.exists(candidate):
+            raise CliError(f"{path} is a directory without saved_model.pb (not a SavedModel)")
+        saved = saved_model_pb2.SavedModel()
+        try:
+            saved.ParseFromString(_read(candidate))
+        except message.DecodeError:
+            raise CliError(f"{candidate} is truncated or not a SavedModel") from None
+        if not saved.meta_graphs or not _looks_like_graph(saved.meta_graphs[0].graph_def):
+            raise CliError(f"{candidate} holds no graph")
+        return saved.meta_graphs[0].graph_def
+    data = _read(path)
+    if not data:
+        raise CliError(f"{path} is empty")
+    candidates = []
+    if path.endswith((".pbtxt", ".txt")):
+        text = data.decode("utf-8", errors="replace")
+        for proto in (graph_pb2.GraphDef(), meta_graph_pb2.MetaGraphDef()):
+            try:
+                text_format.Parse(text, proto)
+                candidates.append(proto)
+            except text_format.ParseError:
+                continue
+    else:
+        for proto in (graph_pb2.GraphDef(), meta_graph_pb2.MetaGraphDef()):
+            try:
+                proto.ParseFromString(data)
+                candidates.append(proto)
+            except (message.DecodeError, RuntimeError, ValueError):
+                continue
+    for proto in candidates:
+        graph_def = proto.graph_def if hasattr(proto, "graph_def") else proto
+        if _looks_like_graph(graph_def):
+            return graph_def
+    raise CliError(f"{path} is truncated or not a TensorFlow graph "
+                   "(expected a GraphDef .pb/.pbtxt, a MetaGraphDef or a SavedModel)")
+
+
+def _load_profile(path: str):
+    if not path:
+        return None
+    from tfoverlap.cost_model import ProfileError, load_profile
+    try:
+        return load_profile(path)
+    except ProfileError as error:
+        raise CliError(str(error)) from None
+
+
+def _options(args, schedule: str):
+    from tfoverlap.options import Options
+    try:
+        return Options(schedule=schedule, window=args.window, ps_devices=args.ps_devices,
+                       profile=getattr(args, "profile", "") or "")
+    except (TypeError, ValueError) as error:
+        raise CliError(str(error)) from None
+
+
+def _plan(graph_def, args, schedule: str):
+    from tfoverlap.cost_model import ProfileError
+    from tfoverlap.graph_model import GraphError
+    from tfoverlap.passes import PassContext
+    from tfoverlap.tictac_pass import plan_transfer_order
+    try:
+        return plan_transfer_order(graph_def, PassContext(options=_options(args, schedule)))
+    except (GraphError, ProfileError) as error:
+        raise CliError(str(error)) from None
+
+
+def _megabytes(num_bytes) -> str:
+    return "?" if num_bytes is None else f"{num_bytes / 1e6:.2f} MB"
+
+
+# ---------------------------------------------------------------------- inspect
+def _inspect(args) -> int:
+    from tfoverlap.graph_model import DeviceMatcher, GraphModel, tensor_bytes
+    from tfoverlap.tictac_pass import dependency_bits
+    graph_def = load_graph(args.graph)
+    profile = _load_profile(args.profile)
+    model, transfers, orders, _, _, _ = _plan(graph_def, args, "tic")
+    devices = model.colocated_devices()
+    is_ps = DeviceMatcher(args.ps_devices)
+    print(f"{args.graph}: {model.num_nodes} nodes")
+    variables = [v for v in range(model.num_nodes)
+                 if model.ops[v] in ("VarHandleOp", "VariableV2", "Variable")]
+    total = sum(tensor_bytes(graph_def, model, v) or 0 for v in variables)
+    print(f"parameters: {len(variables)} variables, {_megabytes(total)}")
+    by_device: dict[str, list[int]] = {}
+    for v in variables:
+        by_device.setdefault(devices[v] or "(unplaced)", []).append(v)
+    for device, members in sorted(by_device.items()):
+        kind = "PS" if is_ps(device) else "not a PS device"
+        size = sum(tensor_bytes(graph_def, model, v) or 0 for v in members)
+        print(f"  {device:<40} {len(members):>5} variables {_megabytes(size):>12}  ({kind})")
+    print(f"transfers (PS devices {args.ps_devices!r}): {len(transfers)}")
+    if transfers:
+        topological = model.topological_order()
+        bits = dependency_bits(model, topological, transfers)
+        alone = [0] * len(transfers)
+        for node, value in enumerate(bits):
+            if value and value & (value - 1) == 0 and not is_ps(devices[node]):
+                alone[value.bit_length() - 1] += 1
+        destinations = sorted({t.destination for t in transfers})
+        for destination in destinations:
+            members = [i for i, t in enumerate(transfers) if t.destination == destination]
+            size = sum(tensor_bytes(graph_def, model, transfers[i].source) or 0 for i in members)
+            print(f"  to {destination or '(unplaced)'}: {len(members)} transfers, "
+                  f"{_megabytes(size)}")
+        print(f"  {'transfer (PS-side source)':<48} {'size':>12} {'ops it alone unblocks':>22}")
+        shown = sorted(range(len(transfers)), key=lambda i: -alone[i])[:args.top]
+        for i in shown:
+            size = tensor_bytes(graph_def, model, transfers[i].source)
+            print(f"  {model.names[transfers[i].source]:<48} {_megabytes(size):>12} "
+                  f"{alone[i]:>22}")
+        if len(transfers) > len(shown):
+            print(f"  ... {len(transfers) - len(shown)} more (--top N)")
+    path, seconds = _critical_path(model, profile)
+    unit = f"{seconds * 1e3:.1f} ms of profiled compute" if profile else f"{len(path)} ops"
+    print(f"critical path: {unit}; starts {' -> '.join(model.names[v] for v in path[:3])}"
+          f"{' -> ...' if len(path) > 3 else ''} -> {model.names[path[-1]] if path else ''}")
+    horovod = {}
+    for op in model.ops:
+        if op in HOROVOD_OPS:
+            horovod[op] = horovod.get(op, 0) + 1
+    print("horovod ops: " + (", ".join(f"{op} x{n}" for op, n in sorted(horovod.items()))
+                             or "none"))
+    return 0
+
+
+def _critical_path(model, profile) -> tuple[list[int], float]:
+    """Longest path by profiled op time (by op count without a profile)."""
+    if not model.num_nodes:
+        return [], 0.0
+    weight = [(profile.op_seconds.get(name, 0.0) if profile else 1.0) for name in model.names]
+    best = list(weight)          # longest path ending at a node, the node included
+    parent = [-1] * model.num_nodes
+    succs = model.successors()
+    for node in model.topological_order():
+        for consumer in succs[node]:
+            if best[node] + weight[consumer] > best[consumer]:
+                best[consumer] = best[node] + weight[consumer]
+                parent[consumer] = node
+    end = max(range(model.num_nodes), key=best.__getitem__)
+    path = []
+    while end >= 0:
+        path.append(end)
+        end = parent[end]
+    return path[::-1], best[path[0]]
+
+
+# ---------------------------------------------------------------------- schedule
+def _schedule(args) -> int:
+    from tfoverlap.graph_model import tensor_bytes
+    graph_def = load_graph(args.graph)
+    model, transfers, orders, edges, arrivals, notes = _plan(graph_def, args, args.algo)
+    if not transfers:
+        raise CliError(f"no parameter transfers in {args.graph} (PS devices "
+                       f"{args.ps_devices!r}); nothing to schedule")
+    plan = {"algorithm": args.algo, "window": args.window, "orders": {}, "constraints": [
+        {"after": gate, "before": read} for gate, read in edges],
+        "gate_nodes": [{"name": a.name, "consumes": a.tensor, "device": a.device}
+                       for a in arrivals], "notes": notes}
+    for destination, order in orders.items():
+        plan["orders"][destination] = [
+            {"position": k, "transfer": model.names[transfers[t].source],
+             "bytes": tensor_bytes(graph_def, model, transfers[t].source),
+             "first_consumer": model.names[transfers[t].consumers[0]]}
+            for k, t in enumerate(order)]
+    if args.json:
+        json.dump(plan, sys.stdout, indent=1)
+        print()
+        return 0
+    for destination, rows in plan["orders"].items():
+        print(f"{args.algo.upper()} order of the {len(rows)} transfers to {destination or '(unplaced)'}:")
+        print(f"  {'#':>4}  {'transfer (PS-side source)':<48} {'size':>12}  first consumer")
+        for row in rows:
+            print(f"  {row['position']:>4}  {row['transfer']:<48} {_megabytes(row['bytes']):>12}  "
+                  f"{row['first_consumer']}")
+    print(f"ordering constraints the pass adds ({len(edges)}; window {args.window}): "
+          "'A -> B' means B (a PS-side read) waits for A")
+    for constraint in plan["constraints"][:args.top]:
+        print(f"  {constraint['after']} -> {constraint['before']}")
+    if len(edges) > args.top:
+        print(f"  ... {len(edges) - args.top} more (--top N, or --json for all)")
+    for key, value in notes.items():
+        print(f"note: {key}: {value}")
+    return 0
+
+
+# ---------------------------------------------------------------------- trace and plot
+def _load_run_metadata(path: str):
+    from google.protobuf import message
+    from tensorflow.core.protobuf import config_pb2
+    metadata = config_pb2.RunMetadata()
+    try:
+        metadata.ParseFromString(_read(path))
+    except message.DecodeError:
+        raise CliError(f"{path} is truncated or not a RunMetadata") from None
+    if not metadata.step_stats.dev_stats:
+        raise CliError(f"{path} has no step stats (was the step run with "
+                       "RunOptions(trace_level=FULL_TRACE)?)")
+    return metadata
+
+
+def chrome_trace(metadata) -> dict:
+    """Compute and transfers of all devices on one time axis, as a Chrome/Perfetto trace."""
+    from tfoverlap.trace import recv_events
+    events = []
+    origin = min(node.all_start_micros for d in metadata.step_stats.dev_stats
+                 for node in d.node_stats)
+    for pid, device_stats in enumerate(metadata.step_stats.dev_stats):
+        events.append({"ph": "M", "name": "process_name", "pid": pid,
+                       "args": {"name": device_stats.device}})
+        for node in device_stats.node_stats:
+            if node.node_name == "RecvTensor":
+                continue
+            events.append({"ph": "X", "pid": pid, "tid": 0, "name": node.node_name,
+                           "cat": "compute", "ts": node.all_start_micros - origin,
+                           "dur": max(1, node.all_end_rel_micros),
+                           "args": {"label": node.timeline_label}})
+    transfers_pid = len(metadata.step_stats.dev_stats)
+    events.append({"ph": "M", "name": "process_name", "pid": transfers_pid,
+                   "args": {"name": "transfers (RecvTensor)"}})
+    lanes: dict[str, int] = {}
+    for event in recv_events(metadata):
+        lane = lanes.setdefault(f"{event.source_device} -> {event.destination_device}",
+                                len(lanes))
+        events.append({"ph": "X", "pid": transfers_pid, "tid": lane, "name": event.source,
+                       "cat": "transfer", "ts": event.start_micros - origin,
+                       "dur": max(1, event.duration_micros), "args": {"bytes": event.bytes}})
+    for name, lane in lanes.items():
+        events.append({"ph": "M", "name": "thread_name", "pid": transfers_pid, "tid": lane,
+                       "args": {"name": name}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _trace(args) -> int:
+    metadata = _load_run_metadata(args.run_metadata)
+    trace = chrome_trace(metadata)
+    with open(args.out, "w") as stream:
+        json.dump(trace, stream)
+    print(f"wrote {args.out}: {len(trace['traceEvents'])} events (open in ui.perfetto.dev "
+          "or chrome://tracing)")
+    return 0
+
+
+def _plot(args) -> int:
+    from tfoverlap.bench.report import plot_timelines
+    from tfoverlap.trace import step_timeline
+    if len(args.run_metadata) > 2:
+        raise CliError("plot takes one RunMetadata, or two to compare side by side")
+    labels = args.labels.split(",") if args.labels else (
+        ["default", "scheduled"] if len(args.run_metadata) == 2 else ["step"])
+    if len(labels) != len(args.run_metadata):
+        raise CliError("--labels needs one label per RunMetadata")
+    timelines = {}
+    for label, path in zip(labels, args.run_metadata):
+        timeline = step_timeline(_load_run_metadata(path), args.device)
+        if not timeline["compute"] and not timeline["transfers"]:
+            raise CliError(f"{path}: no events on device {args.device!r}")
+        end = max([s + d for _, s, d in timeline["compute"]] +
+                  [s + d for _, s, d, _ in timeline["transfers"]])
+        timelines[label] = {**timeline, "seconds": end * 1e-6}
+    plot_timelines(timelines, f"one step on {args.device or 'all devices'}", args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------- simulate
+def _scenario(args, **overrides):
+    from tfoverlap.options import parse_bandwidth
+    from tfoverlap.simulation import Scenario, SimulationError
+    try:
+        values = {"workers": args.workers, "bandwidth": parse_bandwidth(args.bandwidth),
+                  "latency": args.latency_us * 1e-6, "threads": args.threads,
+                  "window": args.window, "seeds": args.seeds, "ps_devices": args.ps_devices}
+        values.update(overrides)
+        scenario = Scenario(**values)
+        scenario.validate()
+    except (ValueError, SimulationError) as error:
+        raise CliError(str(error)) from None
+    return scenario
+
+
+def _predict(graph_def, scenario, args, profile):
+    from tfoverlap.cost_model import ProfileError
+    from tfoverlap.graph_model import GraphError
+    from tfoverlap.simulation import SimulationError, predict
+    try:
+        return predict(graph_def, scenario, args.algo.split(","), profile=profile,
+                       profile_path=args.profile or "", fetches=args.fetch or ())
+    except (SimulationError, GraphError, ProfileError) as error:
+        raise CliError(str(error)) from None
+
+
+def _simulate(args) -> int:
+    graph_def = load_graph(args.graph)
+    profile = _load_profile(args.profile)
+    if args.sweep:
+        return _sweep(graph_def, profile, args)
+    scenario = _scenario(args)
+    predictions = _predict(graph_def, scenario, args, profile)
+    print(f"one iteration, {scenario.workers} workers, "
+          f"{scenario.bandwidth * 8 / 1e9:g} Gbit/s per link, {scenario.threads} inter-op "
+          f"threads, costs from {'profile ' + args.profile if profile else 'sizes only (no profile: compute is free)'}")
+    baseline = next((p.iteration for p in predictions if p.algorithm == "default"), None)
+    print(f"{'algorithm':<10}{'iteration s':>12}{'comm s':>9}{'comp s':>9}{'E':>7}"
+          f"{'bound s':>9}{'gain':>8}")
+    for p in predictions:
+        gain = f"{baseline / p.iteration:.2f}x" if baseline else ""
+        print(f"{p.algorithm:<10}{p.iteration:>12.4f}{p.comm:>9.4f}{p.comp:>9.4f}"
+              f"{p.efficiency:>7.2f}{p.lower:>9.4f}{gain:>8}")
+    return 0
+
+
+def _sweep(graph_def, profile, args) -> int:
+    from tfoverlap.options import parse_bandwidth
+    key, _, values = args.sweep.partition("=")
+    if key not in ("workers", "bandwidth") or not values:
+        raise CliError("--sweep takes workers=8,64,... or bandwidth=1Gbit,10Gbit,...")
+    rows = []
+    for value in values.split(","):
+        try:
+            override = ({"workers": int(value)} if key == "workers"
+                        else {"bandwidth": parse_bandwidth(value)})
+        except ValueError as error:
+            raise CliError(f"--sweep value {value!r}: {error}") from None
+        predictions = _predict(graph_def, _scenario(args, **override), args, profile)
+        rows.append((value, predictions))
+    algorithms = [p.algorithm for p in rows[0][1]]
+    print(f"{key:>10}" + "".join(f"{a + ' s':>12}" for a in algorithms) + f"{'best gain':>11}")
+    for value, predictions in rows:
+        times = [p.iteration for p in predictions]
+        gain = times[0] / min(times) if algorithms[0] == "default" else float("nan")
+        print(f"{value:>10}" + "".join(f"{t:>12.4f}" for t in times) + f"{gain:>10.2f}x")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for index, algorithm in enumerate(algorithms):
+            axes.plot([v for v, _ in rows], [p[index].iteration for _, p in rows], marker="o",
+                      label=algorithm)
+        axes.set_xlabel(key)
+        axes.set_ylabel("predicted iteration (s)")
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr (and exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tfoverlap", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def graph_command(name, help_text):
+        command = commands.add_parser(name, help=help_text, description=help_text)
+        command.add_argument("graph", help="GraphDef (.pb/.pbtxt), MetaGraphDef or SavedModel dir")
+        command.add_argument("--ps-devices", default="/job:ps",
+                             help="comma-separated device specs of the PS tasks")
+        command.add_argument("--profile", default="", help="a tfoverlap profile (JSON)")
+        command.add_argument("--window", type=int, default=1)
+        command.add_argument("--top", type=int, default=10, help="rows to show")
+        return command
+
+    inspect = graph_command("inspect", "parameters, PS tasks, transfers, critical path, "
+                                       "Horovod ops of a graph")
+    inspect.set_defaults(run=_inspect)
+    schedule = graph_command("schedule", "the transfer order TIC or TAC plans and the "
+                                         "ordering constraints the pass would add")
+    schedule.add_argument("--algo", choices=("tic", "tac"), default="tic")
+    schedule.add_argument("--json", action="store_true")
+    schedule.set_defaults(run=_schedule)
+    simulate = graph_command("simulate", "predict one iteration with each algorithm "
+                                         "(discrete-event simulation)")
+    simulate.add_argument("--algo", default="default,tic,tac",
+                          help="comma-separated: default, tic, tac")
+    simulate.add_argument("--workers", type=int, default=2)
+    simulate.add_argument("--bandwidth", default="2.5Gbit", help="per link, e.g. 10Gbit")
+    simulate.add_argument("--latency-us", type=float, default=100.0)
+    simulate.add_argument("--threads", type=int, default=2, help="a worker's inter-op threads")
+    simulate.add_argument("--seeds", type=int, default=16,
+                          help="random default orders to take the median over")
+    simulate.add_argument("--fetch", action="append",
+                          help="simulate only what running this node executes (repeatable)")
+    simulate.add_argument("--sweep", help="workers=8,64,512 or bandwidth=1Gbit,10Gbit")
+    simulate.add_argument("--plot", help="with --sweep: write a PNG of the sweep")
+    simulate.set_defaults(run=_simulate)
+    trace = commands.add_parser("trace", help="RunMetadata -> Chrome/Perfetto trace JSON",
+                                description="Compute and transfers of all devices of a traced "
+                                            "step on one time axis.")
+    trace.add_argument("run_metadata")
+    trace.add_argument("--out", default="trace.json")
+    trace.set_defaults(run=_trace)
+    plot = commands.add_parser("plot", help="RunMetadata (one or two) -> PNG Gantt chart",
+                               description="A step's compute and transfers on one device; "
+                                           "two RunMetadata files are drawn one above the other.")
+    plot.add_argument("run_metadata", nargs="+")
+    plot.add_argument("--device", default="/job:worker/task:0")
+    plot.add_argument("--labels", help="comma-separated, one per file")
+    plot.add_argument("--out", default="step.png")
+    plot.set_defaults(run=_plot)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        return args.run(args)
+    except CliError as error:
+        print(f"tfoverlap: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

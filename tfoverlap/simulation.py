@@ -1,0 +1,276 @@
+"""What-if simulation of a parameter-server graph: from a GraphDef to the simulator's tasks.
+
+One worker is simulated in full; the other ``workers - 1`` are assumed to do the same at
+the same time, so each PS task's link is shared by all of them: its bandwidth per worker
+is ``bandwidth / workers`` (the testbed's two workers pulling from one PS showed exactly
+this sharing). Compute times come from a profile (``tfoverlap.profile``) by node name;
+ops it lacks cost nothing, and transfers it lacks are sized from the graph.
+
+Variants: ``default`` (TensorFlow: every transfer requested at once, one PS link sends
+them one at a time in a random order; the result is the median over ``seeds`` orders),
+``tic`` and ``tac`` (the order the TicTac pass plans, enforced the way the pass does: the
+read of transfer k+window waits for the arrival of transfer k, plus the control message
+back to the PS).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import numpy as np
+
+from tfoverlap.cost_model import Profile
+from tfoverlap.graph_model import (RESOURCE_HANDLE_OPS, DeviceMatcher, GraphModel,
+                                   parse_device_spec, tensor_bytes)
+from tfoverlap.options import Options
+from tfoverlap.passes import PassContext
+from tfoverlap.simulator import COMPUTE, TRANSFER, Problem, lower_bound, serial_sum, simulate
+from tfoverlap.tictac_pass import plan_transfer_order
+
+__all__ = ["Scenario", "Prediction", "ALGORITHMS", "predict", "prune_to_fetches",
+           "SimulationError"]
+
+ALGORITHMS = ("default", "tic", "tac")
+
+
+class SimulationError(ValueError):
+    """The graph or the scenario cannot be simulated (no parameters, bad option, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    workers: int = 2
+    bandwidth: float = 312.5e6     # bytes/s per link and direction
+    latency: float = 100e-6        # seconds per transfer message
+    threads: int = 2               # a worker's inter-op threads
+    window: int = 1
+    seeds: int = 16
+    ps_devices: str = "/job:ps"
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise SimulationError(f"workers must be >= 1, got {self.workers}")
+        if not self.bandwidth > 0 or self.bandwidth == float("inf"):
+            raise SimulationError(f"bandwidth must be positive, got {self.bandwidth}")
+        if self.latency < 0:
+            raise SimulationError(f"latency must be >= 0, got {self.latency}")
+        if self.threads < 1 or self.window < 1 or self.seeds < 1:
+            raise SimulationError("threads, window and seeds must be >= 1")
+
+
+@dataclasses.dataclass
+class Prediction:
+    algorithm: str
+    iteration: float       # predicted seconds
+    comm: float            # the same iteration with zero compute
+    comp: float            # the same iteration with free transfers
+    lower: float           # no schedule can beat this
+    upper: float           # serial sum
+    transfers: int
+
+    @property
+    def efficiency(self) -> float:
+        upper, lower = self.comm + self.comp, max(self.comm, self.comp)
+        return float("nan") if upper == lower else (upper - self.iteration) / (upper - lower)
+
+
+@dataclasses.dataclass
+class _Tasks:
+    """The iteration's tasks before they become a Problem."""
+
+    kind: list = dataclasses.field(default_factory=list)
+    resource: list = dataclasses.field(default_factory=list)
+    work: list = dataclasses.field(default_factory=list)
+    successors: list = dataclasses.field(default_factory=list)
+
+    def add(self, kind: int, resource: int, work: float) -> int:
+        self.kind.append(kind)
+        self.resource.append(resource)
+        self.work.append(float(work))
+        self.successors.append([])
+        return len(self.kind) - 1
+
+
+class _PsGraph:
+    """The simulated worker's part of a PS graph as tasks, with its transfers marked."""
+
+    def __init__(self, graph_def, scenario: Scenario, profile: Profile | None):
+        self.model = model = GraphModel.from_graph_def(graph_def)
+        devices = model.colocated_devices()
+        is_ps = DeviceMatcher(scenario.ps_devices)
+        ps_tasks = sorted({self._task_of(d) for d in devices if d and is_ps(d)})
+        if not ps_tasks:
+            raise SimulationError(f"the graph has no node on a PS device ({scenario.ps_devices}); "
+                                  "is it a parameter-server graph? (see --ps-devices)")
+        workers = sorted({d for d in devices if d and not is_ps(d)})
+        self.worker_device = workers[0] if workers else ""
+        self.num_ps = len(ps_tasks)
+        worker_host = self.num_ps
+        host = []
+        for device in devices:
+            if device and is_ps(device):
+                host.append(ps_tasks.index(self._task_of(device)))
+            elif device in ("", self.worker_device):
+                host.append(worker_host)
+            else:
+                host.append(-1)   # another worker's node: not simulated
+        self.host = host
+        op_seconds = profile.op_seconds if profile else {}
+        tasks = _Tasks()
+        node_task = [-1] * model.num_nodes
+        for node in range(model.num_nodes):
+            if host[node] >= 0:
+                seconds = op_seconds.get(model.names[node], 0.0) if host[node] == worker_host else 0.0
+                node_task[node] = tasks.add(COMPUTE, host[node], seconds)
+        self.channels: list[tuple[int, int]] = []
+        channel_index: dict[tuple[int, int], int] = {}
+        self.pull_of_source: dict[int, int] = {}    # PS source node -> its pull transfer task
+        self.unknown_sizes = 0
+        transfer_of: dict[tuple[int, int], int] = {}
+        transfer_bytes = profile.transfer_bytes if profile else {}
+        for consumer in range(model.num_nodes):
+            if host[consumer] < 0:
+                continue
+            data = {p for p, _ in model.data_inputs[consumer]}
+            for producer in dict.fromkeys(model.predecessors(consumer)):
+                if host[producer] < 0:
+                    continue
+                if host[producer] == host[consumer] or model.ops[producer] in RESOURCE_HANDLE_OPS:
+                    tasks.successors[node_task[producer]].append(node_task[consumer])
+                    continue
+                key = (producer, host[consumer] if producer in data else -1 - consumer)
+                if key not in transfer_of:
+                    link = (host[producer], host[consumer])
+                    if link not in channel_index:
+                        channel_index[link] = len(self.channels)
+                        self.channels.append(link)
+                    size = 0.0
+                    if producer in data:
+                        size = self._bytes(graph_def, producer, consumer, transfer_bytes)
+                    transfer = tasks.add(TRANSFER, channel_index[link], size)
+                    transfer_of[key] = transfer
+                    tasks.successors[node_task[producer]].append(transfer)
+                    if producer in data and host[consumer] == worker_host:
+                        self.pull_of_source[producer] = transfer
+                tasks.successors[transfer_of[key]].append(node_task[consumer])
+        self.tasks, self.node_task = tasks, node_task
+        self.worker_host = worker_host
+        if profile is not None and self.pull_of_source:
+            names = [model.names[source] for source in self.pull_of_source]
+            known = sum(name in profile.transfer_seconds or name in profile.transfer_bytes
+                        for name in names)
+            if known * 2 < len(names):
+                raise SimulationError(
+                    f"the profile does not match this graph: only {known} of its {len(names)} "
+                    f"transfers (e.g. {names[0]!r}) are in it; profile this model again")
+
+    @staticmethod
+    def _task_of(device: str) -> str:
+        fields = parse_device_spec(device)
+        return f"{fields.get('job', '')}:{fields.get('task', '0')}"
+
+    def _bytes(self, graph_def, producer: int, consumer: int, profiled: dict) -> float:
+        model = self.model
+        name = model.names[producer]
+        if name in profiled:
+            return float(profiled[name])
+        size = tensor_bytes(graph_def, model, producer)
+        if size is None:
+            # A gradient pushed to its apply op: as large as the variable it updates.
+            for source, _ in model.data_inputs[consumer]:
+                if model.ops[source] in RESOURCE_HANDLE_OPS or model.ops[source].startswith("Variable"):
+                    size = tensor_bytes(graph_def, model, source)
+                    break
+        if size is None:
+            self.unknown_sizes += 1
+            return 0.0
+        return float(size)
+
+
+def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
+             compute_scale: float = 1.0, transfer_scale: float = 1.0) -> Problem:
+    tasks = graph.tasks
+    successors = [list(s) for s in tasks.successors]
+    for before, after in extra_edges:
+        successors[before].append(after)
+    kind = np.array(tasks.kind, dtype=np.int8)
+    work = np.array(tasks.work, dtype=float)
+    work[kind == COMPUTE] *= compute_scale
+    work[kind == TRANSFER] *= transfer_scale
+    hosts = graph.num_ps + 1
+    link = np.full(hosts, float(scenario.bandwidth))
+    link[:graph.num_ps] /= scenario.workers
+    return Problem(kind=kind, resource=np.array(tasks.resource), work=work,
+                   successors=successors, priority=np.asarray(priority, float),
+                   threads=[2] * graph.num_ps + [scenario.threads],
+                   channels=graph.channels, egress=link, ingress=link.copy(),
+                   latency=scenario.latency * transfer_scale)
+
+
+def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
+                profile_path: str) -> tuple[list[tuple[int, int]], int]:
+    """The pass's enforcement as task edges: arrival of k -> control message -> read k+w."""
+    options = Options(schedule=algorithm, window=scenario.window,
+                      ps_devices=scenario.ps_devices, profile=profile_path,
+                      bandwidth=scenario.bandwidth)
+    _, transfers, orders, _, _, _ = plan_transfer_order(graph_def, PassContext(options=options))
+    order = orders.get(graph.worker_device) or next(iter(orders.values()), [])
+    sources = [transfers[t].source for t in order]
+    edges = []
+    for k in range(scenario.window, len(sources)):
+        arrived = graph.pull_of_source.get(sources[k - scenario.window])
+        read = graph.node_task[sources[k]]
+        if arrived is not None and read >= 0:
+            edges.append((arrived, read))
+    return edges, len(sources)
+
+
+def prune_to_fetches(graph_def, fetches):
+    """The part of ``graph_def`` that running ``fetches`` (node names) executes."""
+    from tensorflow.compat.v1 import graph_util
+    names = {node.name for node in graph_def.node}
+    missing = [name for name in fetches if name.split(":")[0] not in names]
+    if missing:
+        raise SimulationError(f"fetch {missing[0]!r} is not a node of the graph")
+    return graph_util.extract_sub_graph(graph_def, [name.split(":")[0] for name in fetches])
+
+
+def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profile | None = None,
+            profile_path: str = "", fetches=()) -> list[Prediction]:
+    """Predicted iteration time, comm, comp and bounds of each algorithm.
+
+    ``fetches``: simulate only what running these nodes executes (default: the whole graph).
+    """
+    scenario.validate()
+    if fetches:
+        graph_def = prune_to_fetches(graph_def, fetches)
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise SimulationError(f"unknown algorithm {unknown[0]!r}; choose from {ALGORITHMS}")
+    graph = _PsGraph(graph_def, scenario, profile)
+    if not graph.pull_of_source:
+        raise SimulationError("the graph has no parameter transfers to the worker "
+                              f"(PS devices {scenario.ps_devices!r})")
+    num_tasks = len(graph.tasks.kind)
+    pulls = sorted(graph.pull_of_source.values())
+    predictions = []
+    for algorithm in algorithms:
+        if algorithm == "default":
+            edges, count = [], len(pulls)
+            priorities = []
+            for seed in range(scenario.seeds):
+                priority = np.arange(num_tasks, dtype=float)
+                priority[pulls] = np.random.default_rng(seed).permutation(len(pulls))
+                priorities.append(priority)
+        else:
+            edges, count = _gate_edges(graph, graph_def, scenario, algorithm, profile_path)
+            priorities = [np.arange(num_tasks, dtype=float)]
+        makespans = [simulate(_problem(graph, scenario, p, edges)).makespan for p in priorities]
+        problem = _problem(graph, scenario, priorities[0], edges)
+        comm = simulate(_problem(graph, scenario, priorities[0], edges, compute_scale=0.0))
+        comp = simulate(_problem(graph, scenario, priorities[0], edges, transfer_scale=0.0))
+        predictions.append(Prediction(
+            algorithm=algorithm, iteration=statistics.median(makespans),
+            comm=comm.makespan, comp=comp.makespan, lower=lower_bound(problem),
+            upper=serial_sum(problem), transfers=count))
+    return predictions
