@@ -227,12 +227,25 @@ def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
 
 def prune_to_fetches(graph_def, fetches):
     """The part of ``graph_def`` that running ``fetches`` (node names) executes."""
-    from tensorflow.compat.v1 import graph_util
-    names = {node.name for node in graph_def.node}
-    missing = [name for name in fetches if name.split(":")[0] not in names]
-    if missing:
-        raise SimulationError(f"fetch {missing[0]!r} is not a node of the graph")
-    return graph_util.extract_sub_graph(graph_def, [name.split(":")[0] for name in fetches])
+    model = GraphModel.from_graph_def(graph_def)
+    roots = []
+    for name in fetches:
+        node = model.index.get(name.split(":")[0].lstrip("^"))
+        if node is None:
+            raise SimulationError(f"fetch {name!r} is not a node of the graph")
+        roots.append(node)
+    keep = set(roots)
+    stack = list(roots)
+    while stack:
+        for pred in model.predecessors(stack.pop()):
+            if pred not in keep:
+                keep.add(pred)
+                stack.append(pred)
+    pruned = type(graph_def)()
+    pruned.versions.CopyFrom(graph_def.versions)
+    pruned.library.CopyFrom(graph_def.library)
+    pruned.node.extend(node for i, node in enumerate(graph_def.node) if i in keep)
+    return pruned
 
 
 def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profile | None = None,

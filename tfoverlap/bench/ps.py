@@ -151,8 +151,9 @@ def run_configuration(config: Configuration, variants=tuple(VARIANTS), rounds: i
         graph = workers.ready()[0]
         workers.ask_each([{"cmd": "init"}] + [None] * (config.num_workers - 1))
         workers.ask({"cmd": "warmup", "variant": "default"})
-        workers.ask_each([{"cmd": "save_graph", "path": os.path.join(workdir, "graph.pb")}]
-                         + [None] * (config.num_workers - 1))
+        fetch = workers.ask_each([{"cmd": "save_graph",
+                                   "path": os.path.join(workdir, "graph.pb")}]
+                                 + [None] * (config.num_workers - 1))[0]["fetch"]
         _progress(f"{config.label}: profiling default steps (for TAC and the simulator)")
         workers.ask_each([{"cmd": "profile", "steps": 3, "path": _profile_path(workdir, t)}
                           for t in range(config.num_workers)])
@@ -181,7 +182,7 @@ def run_configuration(config: Configuration, variants=tuple(VARIANTS), rounds: i
             channel.send(json.dumps({"cmd": "quit"}))
         description = network.describe()
     return {"config": dataclasses.asdict(config), "network": description, "graph": graph,
-            "workdir": workdir,
+            "workdir": workdir, "fetch": fetch,
             "passes": passes, "comm": comm, "comp": comp, "times": times, "blocks": blocks,
             "traces": traced}
 

@@ -1,0 +1,70 @@
+"""How well the simulator predicts the testbed: every configuration of a PS benchmark run.
+
+For each configuration in ``results.json`` of ``tfoverlap.bench.ps`` it loads the model graph
+and worker 0's profile that the run saved, simulates one iteration with the benchmark's
+scenario (workers, link bandwidth, inter-op threads) for TensorFlow's default, TIC and
+TAC, and compares with the measured median iteration. Prints a table and the median
+absolute error; ``--markdown`` writes it for docs/benchmarks.md.
+
+    .venv/bin/python scripts/validate_simulator.py out/benchmarks [--markdown FILE]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ALGORITHMS = ("default", "tic", "tac")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="directory of a benchmark run (results.json)")
+    parser.add_argument("--markdown", help="also write the table here")
+    parser.add_argument("--latency-us", type=float, default=100.0)
+    args = parser.parse_args(argv)
+
+    from tensorflow.core.framework import graph_pb2
+    from tfoverlap.cost_model import load_profile
+    from tfoverlap.simulation import Scenario, predict
+    with open(os.path.join(args.results, "results.json")) as stream:
+        results = json.load(stream)
+    lines = ["| model | mode | variant | measured s | predicted s | error |",
+             "|---|---|---|---|---|---|"]
+    errors, seconds = [], []
+    for result in results:
+        config = result["config"]
+        mode = "training" if config["training"] else "inference"
+        workdir = result.get("workdir") or os.path.join(args.results, "work",
+                                                        f"{config['model']}-{mode}")
+        graph_def = graph_pb2.GraphDef()
+        with open(os.path.join(workdir, "graph.pb"), "rb") as stream:
+            graph_def.ParseFromString(stream.read())
+        fetch = result.get("fetch") or ("GradientDescent" if config["training"] else "Mean")
+        profile_path = os.path.join(workdir, "tac-profile-worker0.json")
+        scenario = Scenario(workers=config["num_workers"], bandwidth=config["bandwidth"],
+                            threads=config["inter_op"], latency=args.latency_us * 1e-6)
+        started = time.perf_counter()
+        predictions = predict(graph_def, scenario, ALGORITHMS, profile=load_profile(profile_path),
+                              profile_path=profile_path, fetches=[fetch])
+        seconds.append((time.perf_counter() - started) / (scenario.seeds + 2 * 3 + 2))
+        for prediction in predictions:
+            measured = statistics.median(result["times"][prediction.algorithm])
+            error = (prediction.iteration - measured) / measured
+            errors.append(abs(error))
+            lines.append(f"| {config['model']} | {mode} | {prediction.algorithm} | "
+                         f"{measured:.3f} | {prediction.iteration:.3f} | {100 * error:+.1f}% |")
+    summary = (f"median absolute error {100 * statistics.median(errors):.1f}% over "
+               f"{len(errors)} predictions (max {100 * max(errors):.1f}%); "
+               f"about {max(seconds):.2f} s per simulated iteration at most")
+    table = "\n".join(lines) + "\n\n" + summary + "\n"
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as stream:
+            stream.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The tfoverlap command and the what-if simulation it runs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from tfoverlap import cli
+from tfoverlap.cost_model import Profile, save_profile
+from tfoverlap.simulation import Scenario, SimulationError, predict
+from tfoverlap.testbed.models import chain_model
+from tests.helpers import local_config, traced_run
+
+KERNEL_BYTES = 64 * 64 * 4
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def chain():
+    model = chain_model(LAYERS, width=64, batch=8, num_ps=1)
+    return model.graph.as_graph_def(), model.loss.op.name
+
+
+@pytest.fixture
+def files(tmp_path, chain):
+    graph_def, _ = chain
+    paths = {"pb": tmp_path / "chain.pb", "pbtxt": tmp_path / "chain.pbtxt",
+             "profile": tmp_path / "profile.json"}
+    paths["pb"].write_bytes(graph_def.SerializeToString())
+    paths["pbtxt"].write_text(str(graph_def))
+    reads = ["MatMul/ReadVariableOp"] + [f"MatMul_{k}/ReadVariableOp" for k in range(1, LAYERS)]
+    save_profile(Profile(
+        op_seconds={("MatMul" if k == 0 else f"MatMul_{k}"): 0.01 for k in range(LAYERS)},
+        transfer_seconds={read: 0.02 for read in reads},
+        transfer_bytes={read: KERNEL_BYTES for read in reads}, steps=1), str(paths["profile"]))
+    return {key: str(value) for key, value in paths.items()}
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ------------------------------------------------------------------ the simulation itself
+def test_simulated_chain_matches_the_hand_computed_iteration(chain, files):
+    graph_def, loss = chain
+    from tfoverlap.cost_model import load_profile
+    # 20 ms per kernel on the link, 10 ms per layer of compute, one worker.
+    scenario = Scenario(workers=1, bandwidth=KERNEL_BYTES / 0.02, latency=0.0, threads=2)
+    by_name = {p.algorithm: p for p in predict(
+        graph_def, scenario, profile=load_profile(files["profile"]),
+        profile_path=files["profile"], fetches=[loss])}
+    tic = by_name["tic"]
+    # Transfers back to back (4 x 20 ms); the last layer computes after the last arrives.
+    assert tic.iteration == pytest.approx(4 * 0.02 + 0.01)
+    assert tic.comm == pytest.approx(0.08) and tic.comp == pytest.approx(0.04)
+    assert tic.efficiency == pytest.approx(0.75)
+    assert by_name["default"].iteration >= tic.iteration - 1e-9
+    assert by_name["tac"].iteration == pytest.approx(tic.iteration)
+    # Twice the workers on one PS: each gets half the PS link.
+    doubled = predict(graph_def, Scenario(workers=2, bandwidth=KERNEL_BYTES / 0.02, latency=0.0),
+                      ["tic"], profile=load_profile(files["profile"]), fetches=[loss])[0]
+    assert doubled.iteration == pytest.approx(8 * 0.02 + 0.01)
+
+
+def test_simulation_refuses_what_it_cannot_simulate(chain, files, tmp_path):
+    graph_def, _ = chain
+    local = chain_model(2, width=8, batch=2, ps_devices=["/job:worker/task:0"])
+    with pytest.raises(SimulationError, match="no node on a PS device"):
+        predict(local.graph.as_graph_def(), Scenario())
+    with pytest.raises(SimulationError, match="workers must be >= 1"):
+        predict(graph_def, Scenario(workers=0))
+    other = tmp_path / "other.json"
+    save_profile(Profile(op_seconds={"x": 1.0}, transfer_seconds={"y/read": 1.0}), str(other))
+    from tfoverlap.cost_model import load_profile
+    with pytest.raises(SimulationError, match="does not match this graph"):
+        predict(graph_def, Scenario(), profile=load_profile(str(other)))
+
+
+# ------------------------------------------------------------------ subcommands
+@pytest.mark.parametrize("kind", ["pb", "pbtxt"])
+def test_inspect_lists_parameters_transfers_and_critical_path(capsys, files, kind):
+    code, out, _ = run(capsys, "inspect", files[kind], "--profile", files["profile"])
+    assert code == 0
+    assert f"parameters: {LAYERS} variables, {LAYERS * KERNEL_BYTES / 1e6:.2f} MB" in out
+    assert f"to /job:worker/task:0: {LAYERS} transfers" in out
+    assert "critical path: 40.0 ms of profiled compute" in out
+    assert "horovod ops: none" in out
+
+
+def test_inspect_reads_metagraphs_and_saved_models(capsys, chain, tmp_path):
+    from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
+    graph_def, _ = chain
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    (tmp_path / "model.meta").write_bytes(meta.SerializeToString())
+    saved = saved_model_pb2.SavedModel()
+    saved.meta_graphs.add().CopyFrom(meta)
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "saved_model.pb").write_bytes(saved.SerializeToString())
+    for path in (tmp_path / "model.meta", tmp_path / "saved"):
+        code, out, _ = run(capsys, "inspect", path)
+        assert code == 0 and f"parameters: {LAYERS} variables" in out
+
+
+def test_schedule_prints_the_order_and_the_constraints(capsys, files):
+    code, out, _ = run(capsys, "schedule", files["pb"], "--algo", "tic", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    order = [row["transfer"] for row in plan["orders"]["/job:worker/task:0"]]
+    assert order == ["MatMul/ReadVariableOp"] + [f"MatMul_{k}/ReadVariableOp"
+                                                 for k in range(1, LAYERS)]
+    assert len(plan["constraints"]) == LAYERS - 1
+    assert {c["before"] for c in plan["constraints"]} == set(order[1:])
+    code, out, _ = run(capsys, "schedule", files["pb"], "--algo", "tac", "--profile",
+                       files["profile"])
+    assert code == 0 and "TAC order of the 4 transfers" in out and "->" in out
+
+
+def test_simulate_and_sweep(capsys, files, tmp_path, chain):
+    _, loss = chain
+    code, out, _ = run(capsys, "simulate", files["pb"], "--profile", files["profile"],
+                       "--fetch", loss, "--workers", 1, "--bandwidth", "1Gbit")
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()[2:]] == ["default", "tic", "tac"]
+    plot = tmp_path / "sweep.png"
+    code, out, _ = run(capsys, "simulate", files["pb"], "--profile", files["profile"],
+                       "--sweep", "workers=1,8,64", "--plot", plot, "--algo", "default,tic")
+    assert code == 0
+    rows = out.splitlines()[1:4]
+    assert [row.split()[0] for row in rows] == ["1", "8", "64"]
+    times = [float(row.split()[2]) for row in rows]
+    assert times == sorted(times)   # more workers share the PS link: slower
+    assert plot.stat().st_size > 5_000
+
+
+def test_trace_and_plot_a_traced_step(capsys, tmp_path):
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/device:CPU:1"):
+            weight = tf.compat.v1.get_variable("w", [32, 32], use_resource=True)
+        with tf.device("/device:CPU:0"):
+            out = tf.reduce_sum(tf.matmul(tf.ones([4, 32]), weight))
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(graph=graph, config=local_config()) as session:
+        session.run(init)
+        _, metadata = traced_run(session, out)
+    path = tmp_path / "step.runmeta"
+    path.write_bytes(metadata.SerializeToString())
+    trace_path = tmp_path / "trace.json"
+    code, out_text, _ = run(capsys, "trace", path, "--out", trace_path)
+    assert code == 0
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert any(e.get("name") == "MatMul" and e["ph"] == "X" for e in events)
+    devices = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert any("CPU:0" in d for d in devices) and any("CPU:1" in d for d in devices)
+    png = tmp_path / "step.png"
+    code, _, _ = run(capsys, "plot", path, path, "--device", "/device:CPU:0", "--out", png)
+    assert code == 0 and png.stat().st_size > 5_000
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_input_is_one_line_and_exit_code_2(capsys, files, tmp_path, chain):
+    graph_def, _ = chain
+    truncated = tmp_path / "truncated.pb"
+    truncated.write_bytes(open(files["pb"], "rb").read()[:-37])
+    garbage = tmp_path / "garbage.pb"
+    garbage.write_bytes(os.urandom(4096))
+    empty = tmp_path / "empty.pb"
+    empty.write_bytes(b"")
+    no_parameters = tmp_path / "local.pb"
+    no_parameters.write_bytes(chain_model(2, width=8, batch=2, ps_devices=["/job:worker/task:0"])
+                              .graph.as_graph_def().SerializeToString())
+    other_profile = tmp_path / "other.json"
+    save_profile(Profile(op_seconds={"x": 1.0}, transfer_seconds={"y/read": 1.0}),
+                 str(other_profile))
+    corrupt_profile = tmp_path / "corrupt.json"
+    corrupt_profile.write_text("{not json")
+    cases = [
+        ("inspect", truncated), ("inspect", garbage), ("inspect", empty),
+        ("inspect", tmp_path / "missing.pb"), ("inspect", tmp_path),
+        ("schedule", no_parameters), ("simulate", no_parameters),
+        ("simulate", files["pb"], "--profile", other_profile),
+        ("schedule", files["pb"], "--algo", "tac", "--profile", corrupt_profile),
+        ("simulate", files["pb"], "--bandwidth=-3Gbit"),
+        ("simulate", files["pb"], "--workers", 0),
+        ("simulate", files["pb"], "--sweep", "workers=8,zero"),
+        ("simulate", files["pb"], "--algo", "magic"),
+        ("trace", files["pb"]),
+    ]
+    for case in cases:
+        code, out, err = run(capsys, *case)
+        assert code == 2, case
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("tfoverlap: error: "), (case, err)
+        assert "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["simulate", files["pb"], "--workers", "many"])
+    assert exit_info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_the_console_script_is_the_same_code(files):
+    result = subprocess.run([sys.executable, "-m", "tfoverlap.cli", "inspect", "/nonexistent.pb"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tfoverlap: error: cannot read /nonexistent.pb: No such file or directory")
+    assert "Traceback" not in result.stderr
+
+
+def test_the_installed_command_prints_only_its_error(files):
+    command = os.path.join(os.path.dirname(sys.executable), "tfoverlap")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run([command, "simulate", files["pb"], "--workers", "0"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["tfoverlap: error: workers must be >= 1, got 0"]
