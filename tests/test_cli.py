@@ -219,3 +219,46 @@ def test_the_installed_command_prints_only_its_error(files):
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["tfoverlap: error: workers must be >= 1, got 0"]
+
+
+def test_spreading_variables_over_more_ps_tasks(capsys, files):
+    code, out, _ = run(capsys, "simulate", files["pb"], "--profile", files["profile"],
+                       "--sweep", "ps=1,2,4", "--algo", "default", "--workers", 4,
+                       "--bandwidth", "100Mbit")
+    assert code == 0
+    times = [float(row.split()[1]) for row in out.splitlines()[1:4]]
+    assert times[0] > times[1] > times[2]
+
+
+_HOROVOD_GRAPH = """
+import sys
+import horovod.tensorflow as hvd
+import tensorflow as tf
+hvd.init()
+graph = tf.Graph()
+with graph.as_default():
+    weight = tf.compat.v1.get_variable("w", [256, 256], use_resource=True)
+    loss = tf.reduce_sum(tf.matmul(tf.ones([8, 256]), weight))
+    (gradient,) = tf.gradients(loss, [weight])
+    reduced = hvd.allreduce(gradient, op=hvd.Sum)
+    train = weight.assign_sub(0.01 * reduced)
+with open(sys.argv[1], "wb") as stream:
+    stream.write(graph.as_graph_def().SerializeToString())
+"""
+
+
+def test_allreduce_graphs_use_the_ring_model(capsys, tmp_path):
+    path = tmp_path / "horovod.pb"
+    env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+    result = subprocess.run([sys.executable, "-c", _HOROVOD_GRAPH, str(path)], env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0 and "HorovodAllreduce x1" in out
+    code, out, _ = run(capsys, "simulate", path, "--algo", "default", "--workers", 4,
+                       "--bandwidth", "1Gbit", "--latency-us", 0)
+    assert code == 0
+    comm = float(out.splitlines()[2].split()[2])
+    assert comm == pytest.approx(2 * 3 / 4 * 256 * 256 * 4 / 125e6, abs=5e-5)  # 4 decimals
+    code, _, err = run(capsys, "simulate", path, "--algo", "tic")
+    assert code == 2 and "models Horovod's default only" in err

@@ -130,11 +130,12 @@ def _inspect(args) -> int:
     print(f"parameters: {len(variables)} variables, {_megabytes(total)}")
     by_device: dict[str, list[int]] = {}
     for v in variables:
-        by_device.setdefault(devices[v] or "(unplaced)", []).append(v)
+        by_device.setdefault(devices[v], []).append(v)
     for device, members in sorted(by_device.items()):
-        kind = "PS" if is_ps(device) else "not a PS device"
+        kind = "PS" if device and is_ps(device) else "not a PS device"
         size = sum(tensor_bytes(graph_def, model, v) or 0 for v in members)
-        print(f"  {device:<40} {len(members):>5} variables {_megabytes(size):>12}  ({kind})")
+        print(f"  {device or '(unplaced)':<40} {len(members):>5} variables "
+              f"{_megabytes(size):>12}  ({kind})")
     print(f"transfers (PS devices {args.ps_devices!r}): {len(transfers)}")
     if transfers:
         topological = model.topological_order()
@@ -316,7 +317,8 @@ def _scenario(args, **overrides):
     try:
         values = {"workers": args.workers, "bandwidth": parse_bandwidth(args.bandwidth),
                   "latency": args.latency_us * 1e-6, "threads": args.threads,
-                  "window": args.window, "seeds": args.seeds, "ps_devices": args.ps_devices}
+                  "window": args.window, "seeds": args.seeds, "ps_devices": args.ps_devices,
+                  "ps_tasks": args.ps}
         values.update(overrides)
         scenario = Scenario(**values)
         scenario.validate()
@@ -359,13 +361,13 @@ def _simulate(args) -> int:
 def _sweep(graph_def, profile, args) -> int:
     from tfoverlap.options import parse_bandwidth
     key, _, values = args.sweep.partition("=")
-    if key not in ("workers", "bandwidth") or not values:
-        raise CliError("--sweep takes workers=8,64,... or bandwidth=1Gbit,10Gbit,...")
+    if key not in ("workers", "bandwidth", "ps") or not values:
+        raise CliError("--sweep takes workers=8,64,..., ps=1,2,4 or bandwidth=1Gbit,10Gbit,...")
     rows = []
     for value in values.split(","):
         try:
-            override = ({"workers": int(value)} if key == "workers"
-                        else {"bandwidth": parse_bandwidth(value)})
+            override = ({"bandwidth": parse_bandwidth(value)} if key == "bandwidth"
+                        else {"workers" if key == "workers" else "ps_tasks": int(value)})
         except ValueError as error:
             raise CliError(f"--sweep value {value!r}: {error}") from None
         predictions = _predict(graph_def, _scenario(args, **override), args, profile)
@@ -428,6 +430,8 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--algo", default="default,tic,tac",
                           help="comma-separated: default, tic, tac")
     simulate.add_argument("--workers", type=int, default=2)
+    simulate.add_argument("--ps", type=int, default=0,
+                          help="spread the variables over this many PS tasks (default: as placed)")
     simulate.add_argument("--bandwidth", default="2.5Gbit", help="per link, e.g. 10Gbit")
     simulate.add_argument("--latency-us", type=float, default=100.0)
     simulate.add_argument("--threads", type=int, default=2, help="a worker's inter-op threads")
@@ -435,7 +439,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="random default orders to take the median over")
     simulate.add_argument("--fetch", action="append",
                           help="simulate only what running this node executes (repeatable)")
-    simulate.add_argument("--sweep", help="workers=8,64,512 or bandwidth=1Gbit,10Gbit")
+    simulate.add_argument("--sweep", help="workers=8,64,512, ps=1,2,4 or bandwidth=1Gbit,10Gbit")
     simulate.add_argument("--plot", help="with --sweep: write a PNG of the sweep")
     simulate.set_defaults(run=_simulate)
     trace = commands.add_parser("trace", help="RunMetadata -> Chrome/Perfetto trace JSON",

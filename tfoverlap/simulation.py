@@ -11,6 +11,9 @@ them one at a time in a random order; the result is the median over ``seeds`` or
 ``tic`` and ``tac`` (the order the TicTac pass plans, enforced the way the pass does: the
 read of transfer k+window waits for the arrival of transfer k, plus the control message
 back to the PS).
+
+Graphs with Horovod AllReduce ops and no PS are simulated with the ring model instead:
+each AllReduce is a collective of ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency``.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ __all__ = ["Scenario", "Prediction", "ALGORITHMS", "predict", "prune_to_fetches"
            "SimulationError"]
 
 ALGORITHMS = ("default", "tic", "tac")
+ALLREDUCE_OPS = ("HorovodAllreduce", "HorovodGroupedAllreduce")
 
 
 class SimulationError(ValueError):
@@ -46,6 +50,7 @@ class Scenario:
     window: int = 1
     seeds: int = 16
     ps_devices: str = "/job:ps"
+    ps_tasks: int = 0              # > 0: spread the variables over this many PS tasks
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -56,6 +61,8 @@ class Scenario:
             raise SimulationError(f"latency must be >= 0, got {self.latency}")
         if self.threads < 1 or self.window < 1 or self.seeds < 1:
             raise SimulationError("threads, window and seeds must be >= 1")
+        if self.ps_tasks < 0:
+            raise SimulationError(f"ps tasks must be >= 1 (0: as placed), got {self.ps_tasks}")
 
 
 @dataclasses.dataclass
@@ -104,7 +111,7 @@ class _PsGraph:
                                   "is it a parameter-server graph? (see --ps-devices)")
         workers = sorted({d for d in devices if d and not is_ps(d)})
         self.worker_device = workers[0] if workers else ""
-        self.num_ps = len(ps_tasks)
+        self.num_ps = scenario.ps_tasks or len(ps_tasks)
         worker_host = self.num_ps
         host = []
         for device in devices:
@@ -114,6 +121,8 @@ class _PsGraph:
                 host.append(worker_host)
             else:
                 host.append(-1)   # another worker's node: not simulated
+        if scenario.ps_tasks:
+            self._spread_variables(graph_def, host, devices, is_ps, scenario.ps_tasks)
         self.host = host
         op_seconds = profile.op_seconds if profile else {}
         tasks = _Tasks()
@@ -164,6 +173,30 @@ class _PsGraph:
                     f"the profile does not match this graph: only {known} of its {len(names)} "
                     f"transfers (e.g. {names[0]!r}) are in it; profile this model again")
 
+    def _spread_variables(self, graph_def, host, devices, is_ps, num_tasks: int) -> None:
+        """What if the variables lived on ``num_tasks`` PS tasks: largest first, each to
+        the least loaded task; PS ops go where the variable they use goes."""
+        model = self.model
+        root = {}
+        for node in range(model.num_nodes):
+            if not (devices[node] and is_ps(devices[node])):
+                continue
+            if _is_variable(model.ops[node]):
+                root[node] = node
+            else:
+                root[node] = next((p for p, _ in model.data_inputs[node]
+                                   if _is_variable(model.ops[p])), None)
+        variables = sorted({r for r in root.values() if r is not None},
+                           key=lambda v: -(tensor_bytes(graph_def, model, v) or 0))
+        load = [0] * num_tasks
+        task_of = {}
+        for variable in variables:
+            task = load.index(min(load))
+            task_of[variable] = task
+            load[task] += tensor_bytes(graph_def, model, variable) or 0
+        for node, variable in root.items():
+            host[node] = task_of.get(variable, 0)
+
     @staticmethod
     def _task_of(device: str) -> str:
         fields = parse_device_spec(device)
@@ -185,6 +218,10 @@ class _PsGraph:
             self.unknown_sizes += 1
             return 0.0
         return float(size)
+
+
+def _is_variable(op: str) -> bool:
+    return op in RESOURCE_HANDLE_OPS or op in ("VariableV2", "Variable")
 
 
 def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
@@ -257,6 +294,9 @@ def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profi
     scenario.validate()
     if fetches:
         graph_def = prune_to_fetches(graph_def, fetches)
+    if any(node.op in ALLREDUCE_OPS for node in graph_def.node) and not any(
+            DeviceMatcher(scenario.ps_devices)(node.device) for node in graph_def.node):
+        return [_predict_allreduce(graph_def, scenario, algorithms, profile)]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         raise SimulationError(f"unknown algorithm {unknown[0]!r}; choose from {ALGORITHMS}")
@@ -287,3 +327,65 @@ def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profi
             comm=comm.makespan, comp=comp.makespan, lower=lower_bound(problem),
             upper=serial_sum(problem), transfers=count))
     return predictions
+
+
+def _allreduce_bytes(graph_def, model: GraphModel, node: int, succs) -> float:
+    """Bytes one AllReduce reduces: its inputs' static sizes, else the variables that the
+    reduced gradients update (found a few ops downstream)."""
+    total = 0.0
+    for index, (producer, slot) in enumerate(model.data_inputs[node]):
+        size = tensor_bytes(graph_def, model, producer, slot)
+        if size is None:
+            frontier, seen = [node], {node}
+            for _ in range(4):
+                frontier = [c for f in frontier for c in succs[f] if c not in seen]
+                seen.update(frontier)
+                variable = next((p for c in frontier for p, _ in model.data_inputs[c]
+                                 if _is_variable(model.ops[p])), None)
+                if variable is not None:
+                    size = tensor_bytes(graph_def, model, variable)
+                    break
+        total += size or 0
+    return total
+
+
+def _predict_allreduce(graph_def, scenario: Scenario, algorithms, profile) -> Prediction:
+    """Horovod's default: every gradient's AllReduce on its own, one at a time (Horovod's
+    background thread), each a ring AllReduce over ``workers`` ranks."""
+    from tfoverlap.simulator import COLLECTIVE, ring_allreduce_seconds
+    if list(algorithms) != ["default"]:
+        raise SimulationError("for AllReduce (Horovod) graphs the simulator models Horovod's "
+                              "default only; use --algo default")
+    model = GraphModel.from_graph_def(graph_def)
+    succs = model.successors()
+    op_seconds = profile.op_seconds if profile else {}
+    tasks = _Tasks()
+    collectives = 0
+    for node in range(model.num_nodes):
+        if model.ops[node] in ALLREDUCE_OPS:
+            collectives += 1
+            seconds = ring_allreduce_seconds(_allreduce_bytes(graph_def, model, node, succs),
+                                             scenario.workers, scenario.bandwidth,
+                                             scenario.latency)
+            tasks.add(COLLECTIVE, 0, seconds)
+        else:
+            tasks.add(COMPUTE, 0, op_seconds.get(model.names[node], 0.0))
+    for node in range(model.num_nodes):
+        for pred in dict.fromkeys(model.predecessors(node)):
+            tasks.successors[pred].append(node)
+    kind = np.array(tasks.kind, dtype=np.int8)
+    link = np.array([float(scenario.bandwidth)])
+
+    def run(compute_scale: float, collective_scale: float):
+        work = np.array(tasks.work)
+        work[kind == COMPUTE] *= compute_scale
+        work[kind == COLLECTIVE] *= collective_scale
+        return Problem(kind=kind, resource=np.zeros(len(kind), dtype=np.int64), work=work,
+                       successors=tasks.successors, priority=np.arange(len(kind), dtype=float),
+                       threads=[scenario.threads], channels=[], egress=link, ingress=link)
+
+    problem = run(1.0, 1.0)
+    return Prediction(algorithm="default", iteration=simulate(problem).makespan,
+                      comm=simulate(run(0.0, 1.0)).makespan,
+                      comp=simulate(run(1.0, 0.0)).makespan, lower=lower_bound(problem),
+                      upper=serial_sum(problem), transfers=collectives)

@@ -32,7 +32,7 @@ __all__ = ["COMPUTE", "TRANSFER", "COLLECTIVE", "Problem", "Schedule", "simulate
            "ring_allreduce_seconds", "lower_bound", "serial_sum"]
 
 COMPUTE, TRANSFER, COLLECTIVE = 0, 1, 2
-_EPSILON = 1e-12
+_TIME_EPSILON = 1e-9
 
 
 def ring_allreduce_seconds(num_bytes: float, ranks: int, bandwidth: float,
@@ -191,8 +191,6 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
             make_ready(task)
     while True:
         dispatch()
-        if instant:
-            continue
         if done == n:
             break
         rates = {task: _transfer_rate(problem, resource[task], leaving, entering)
@@ -205,14 +203,16 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
         for task in active:
             active[task] -= rates[task] * (next_time - now)
         now = next_time
-        while running and running[0][0] <= now + _EPSILON:
+        while running and running[0][0] <= now + _TIME_EPSILON:
             task = heapq.heappop(running)[1]
             if kind[task] == COMPUTE:
                 free_threads[resource[task]] += 1
             else:
                 collective_busy = False
             finish(task)
-        for task in [t for t, left in active.items() if left <= _EPSILON * max(1.0, work[t])]:
+        # Done when less than a nanosecond of sending is left (a float remainder would
+        # otherwise schedule events closer together than ``now`` can resolve).
+        for task in [t for t, left in active.items() if left <= rates[t] * _TIME_EPSILON]:
             del active[task]
             channel = resource[task]
             channel_busy[channel] = False
