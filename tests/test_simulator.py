@@ -40,6 +40,17 @@ def test_transfers_on_one_channel_go_one_at_a_time_in_priority_order():
     assert schedule.start[0] == pytest.approx(3.5) and schedule.end[0] == pytest.approx(5.0)
 
 
+def test_large_transfers_interleave_in_chunks():
+    tasks = [(TRANSFER, 0, 300.0), (TRANSFER, 0, 100.0)]
+    whole = simulate(problem(tasks))
+    assert list(whole.end) == pytest.approx([3.0, 4.0])
+    chunked = problem(tasks)
+    chunked.chunk_bytes = 100.0
+    schedule = simulate(chunked)
+    assert list(schedule.end) == pytest.approx([4.0, 2.0])
+    assert list(schedule.start) == pytest.approx([0.0, 1.0])
+
+
 def test_transfers_into_one_host_share_its_link():
     # Hosts 0 and 1 both send 100 bytes to host 2 over their own channels.
     tasks = [(TRANSFER, 0, 100.0), (TRANSFER, 1, 100.0)]
@@ -82,8 +93,11 @@ def random_problems(draw):
              if draw(st.booleans()) and draw(st.booleans())]
     threads = [draw(st.integers(1, 3)) for _ in range(num_hosts)]
     priority = draw(st.permutations(range(num_tasks)))
-    return problem(tasks, edges, threads, channels, bandwidth=draw(st.floats(0.5, 4.0)),
-                   latency=draw(st.floats(0.0, 0.1)), priority=priority)
+    random_problem = problem(tasks, edges, threads, channels,
+                             bandwidth=draw(st.floats(0.5, 4.0)),
+                             latency=draw(st.floats(0.0, 0.1)), priority=priority)
+    random_problem.chunk_bytes = draw(st.sampled_from([float("inf"), 0.5, 2.0]))
+    return random_problem
 
 
 @settings(max_examples=200, deadline=None)

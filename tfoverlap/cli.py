@@ -318,7 +318,7 @@ def _scenario(args, **overrides):
         values = {"workers": args.workers, "bandwidth": parse_bandwidth(args.bandwidth),
                   "latency": args.latency_us * 1e-6, "threads": args.threads,
                   "window": args.window, "seeds": args.seeds, "ps_devices": args.ps_devices,
-                  "ps_tasks": args.ps}
+                  "ps_tasks": args.ps, "chunk_bytes": args.chunk_mb * 1e6}
         values.update(overrides)
         scenario = Scenario(**values)
         scenario.validate()
@@ -435,6 +435,8 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--bandwidth", default="2.5Gbit", help="per link, e.g. 10Gbit")
     simulate.add_argument("--latency-us", type=float, default=100.0)
     simulate.add_argument("--threads", type=int, default=2, help="a worker's inter-op threads")
+    simulate.add_argument("--chunk-mb", type=float, default=float("inf"),
+                          help="a transfer larger than this interleaves with others on its link")
     simulate.add_argument("--seeds", type=int, default=16,
                           help="random default orders to take the median over")
     simulate.add_argument("--fetch", action="append",

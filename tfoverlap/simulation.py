@@ -51,6 +51,7 @@ class Scenario:
     seeds: int = 16
     ps_devices: str = "/job:ps"
     ps_tasks: int = 0              # > 0: spread the variables over this many PS tasks
+    chunk_bytes: float = float("inf")  # see simulator.Problem.chunk_bytes
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -61,6 +62,8 @@ class Scenario:
             raise SimulationError(f"latency must be >= 0, got {self.latency}")
         if self.threads < 1 or self.window < 1 or self.seeds < 1:
             raise SimulationError("threads, window and seeds must be >= 1")
+        if not self.chunk_bytes > 0:
+            raise SimulationError(f"chunk size must be positive, got {self.chunk_bytes}")
         if self.ps_tasks < 0:
             raise SimulationError(f"ps tasks must be >= 1 (0: as placed), got {self.ps_tasks}")
 
@@ -241,7 +244,7 @@ def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
                    successors=successors, priority=np.asarray(priority, float),
                    threads=[2] * graph.num_ps + [scenario.threads],
                    channels=graph.channels, egress=link, ingress=link.copy(),
-                   latency=scenario.latency * transfer_scale)
+                   latency=scenario.latency * transfer_scale, chunk_bytes=scenario.chunk_bytes)
 
 
 def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,

@@ -6,7 +6,9 @@ one host to another. What the testbed showed decides the network model:
 
 - transfers on one channel (one PS task to one worker) go one at a time, in the order
   they became ready (ties by ``priority``: a random permutation for TensorFlow's
-  default order, the schedule's position for an ordered one);
+  default order, the schedule's position for an ordered one), in chunks of at most
+  ``chunk_bytes``: a larger transfer sends one chunk per round and lets the others go
+  in between (gRPC's HTTP/2 streams interleave large messages; small ones go whole);
 - concurrent transfers on different channels share the hosts' links: a transfer gets
   ``min(egress(src) / transfers leaving src, ingress(dst) / transfers entering dst)``;
 - each transfer also pays a fixed ``latency`` (seconds, per message).
@@ -56,6 +58,7 @@ class Problem:
     channels[c]:  (source host, destination host) of channel c.
     egress[h], ingress[h]: bytes/s of host h's link in each direction.
     latency:      seconds per transfer message.
+    chunk_bytes:  the most one transfer sends before the channel serves the next.
     """
 
     kind: np.ndarray
@@ -68,6 +71,7 @@ class Problem:
     egress: np.ndarray
     ingress: np.ndarray
     latency: float = 0.0
+    chunk_bytes: float = math.inf
 
     @property
     def num_tasks(self) -> int:
@@ -86,6 +90,8 @@ class Problem:
             raise ValueError("link bandwidths must be positive")
         if self.latency < 0:
             raise ValueError("latency must be non-negative")
+        if not self.chunk_bytes > 0:
+            raise ValueError("chunk_bytes must be positive")
 
 
 @dataclasses.dataclass
@@ -126,7 +132,9 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
     collective_queue: list = []
     collective_busy = False
     running: list = []                   # heap of (end time, task) for compute/collective
-    active: dict[int, float] = {}        # transfer -> bytes (latency included) left
+    active: dict[int, float] = {}        # transfer -> bytes of its current chunk left
+    unsent = np.array(work, dtype=float)  # transfer -> bytes not yet sent
+    rounds = np.zeros(n, dtype=np.int64)
     leaving = np.zeros(num_hosts)
     entering = np.zeros(num_hosts)
     ready_sequence = 0
@@ -144,7 +152,7 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
             else:
                 heapq.heappush(device_queue[resource[task]], entry)
         elif kind[task] == TRANSFER:
-            heapq.heappush(channel_queue[resource[task]], entry)
+            heapq.heappush(channel_queue[resource[task]], (0,) + entry)
         else:
             heapq.heappush(collective_queue, entry)
 
@@ -171,14 +179,18 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
                 heapq.heappush(running, (now + work[task], task))
         for channel, queue in enumerate(channel_queue):
             if queue and not channel_busy[channel]:
-                task = heapq.heappop(queue)[2]
+                task = heapq.heappop(queue)[3]
                 channel_busy[channel] = True
                 source, destination = problem.channels[channel]
                 leaving[source] += 1
                 entering[destination] += 1
-                start[task] = now
-                alone = min(problem.egress[source], problem.ingress[destination])
-                active[task] = work[task] + problem.latency * alone
+                chunk = min(unsent[task], problem.chunk_bytes)
+                unsent[task] -= chunk
+                if rounds[task] == 0:
+                    start[task] = now
+                    alone = min(problem.egress[source], problem.ingress[destination])
+                    chunk += problem.latency * alone
+                active[task] = chunk
         if collective_queue and not collective_busy:
             task = heapq.heappop(collective_queue)[2]
             collective_busy = True
@@ -219,7 +231,12 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
             source, destination = problem.channels[channel]
             leaving[source] -= 1
             entering[destination] -= 1
-            finish(task)
+            if unsent[task] > 0:
+                rounds[task] += 1
+                heapq.heappush(channel_queue[channel],
+                               (rounds[task], priority[task], ready_sequence, task))
+            else:
+                finish(task)
     return Schedule(start=start, end=end)
 
 
