@@ -435,7 +435,7 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--bandwidth", default="2.5Gbit", help="per link, e.g. 10Gbit")
     simulate.add_argument("--latency-us", type=float, default=100.0)
     simulate.add_argument("--threads", type=int, default=2, help="a worker's inter-op threads")
-    simulate.add_argument("--chunk-mb", type=float, default=float("inf"),
+    simulate.add_argument("--chunk-mb", type=float, default=16.0,
                           help="a transfer larger than this interleaves with others on its link")
     simulate.add_argument("--seeds", type=int, default=16,
                           help="random default orders to take the median over")

@@ -51,7 +51,7 @@ class Scenario:
     seeds: int = 16
     ps_devices: str = "/job:ps"
     ps_tasks: int = 0              # > 0: spread the variables over this many PS tasks
-    chunk_bytes: float = float("inf")  # see simulator.Problem.chunk_bytes
+    chunk_bytes: float = 16e6      # see simulator.Problem.chunk_bytes (fitted: docs)
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -136,7 +136,7 @@ class _PsGraph:
                 node_task[node] = tasks.add(COMPUTE, host[node], seconds)
         self.channels: list[tuple[int, int]] = []
         channel_index: dict[tuple[int, int], int] = {}
-        self.pull_of_source: dict[int, int] = {}    # PS source node -> its pull transfer task
+        self.pull_of_source: dict[int, int] = {}    # PS source node -> its pull transfer
         self.unknown_sizes = 0
         transfer_of: dict[tuple[int, int], int] = {}
         transfer_bytes = profile.transfer_bytes if profile else {}
@@ -160,8 +160,8 @@ class _PsGraph:
                     if producer in data:
                         size = self._bytes(graph_def, producer, consumer, transfer_bytes)
                     transfer = tasks.add(TRANSFER, channel_index[link], size)
-                    transfer_of[key] = transfer
                     tasks.successors[node_task[producer]].append(transfer)
+                    transfer_of[key] = transfer
                     if producer in data and host[consumer] == worker_host:
                         self.pull_of_source[producer] = transfer
                 tasks.successors[transfer_of[key]].append(node_task[consumer])
@@ -308,7 +308,7 @@ def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profi
         raise SimulationError("the graph has no parameter transfers to the worker "
                               f"(PS devices {scenario.ps_devices!r})")
     num_tasks = len(graph.tasks.kind)
-    pulls = sorted(graph.pull_of_source.values())
+    pulls = list(graph.pull_of_source.values())
     predictions = []
     for algorithm in algorithms:
         if algorithm == "default":
