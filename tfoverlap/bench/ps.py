@@ -14,6 +14,7 @@ observed transfer order and the timelines. Results go to CSV, Markdown and PNG p
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -111,7 +112,7 @@ def _profile_path(workdir: str, task: int) -> str:
 
 
 def _variant_spec(name: str, workdir: str, task: int) -> dict:
-    spec = json.loads(json.dumps(VARIANTS[name]))
+    spec = copy.deepcopy(VARIANTS[name])
     if spec.get("tfoverlap", {}).get("schedule") == "tac":
         spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
     return spec
