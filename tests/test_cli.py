@@ -261,4 +261,51 @@ def test_allreduce_graphs_use_the_ring_model(capsys, tmp_path):
     comm = float(out.splitlines()[2].split()[2])
     assert comm == pytest.approx(2 * 3 / 4 * 256 * 256 * 4 / 125e6, abs=5e-5)  # 4 decimals
     code, _, err = run(capsys, "simulate", path, "--algo", "tic")
-    assert code == 2 and "models Horovod's default only" in err
+    assert code == 2 and "does not apply to AllReduce" in err
+    code, out, _ = run(capsys, "simulate", path, "--algo", "default,caramel", "--workers", 4)
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[2:]] == [
+        "default", "caramel"]
+    code, out, _ = run(capsys, "schedule", path, "--algo", "caramel", "--json")
+    assert code == 0
+    buckets = json.loads(out)["buckets"]
+    assert sum(b["bytes"] for b in buckets) == 256 * 256 * 4
+
+
+_HOROVOD_CHAIN = """
+import sys
+import horovod.tensorflow as hvd
+import tensorflow as tf
+hvd.init()
+graph = tf.Graph()
+with graph.as_default():
+    weights = [tf.compat.v1.get_variable(f"w{i}", [512, 512], use_resource=True)
+               for i in range(6)]
+    hidden = tf.ones([64, 512])
+    for weight in weights:
+        hidden = tf.nn.relu(tf.matmul(hidden, weight))
+    loss = tf.reduce_sum(hidden)
+    gradients = tf.gradients(loss, weights)
+    train = tf.group(*[w.assign_sub(0.01 * hvd.allreduce(g, op=hvd.Sum))
+                       for w, g in zip(weights, gradients)])
+with open(sys.argv[1], "wb") as stream:
+    stream.write(graph.as_graph_def().SerializeToString())
+"""
+
+
+def test_caramel_plan_is_never_worse_than_horovods_fusion_in_the_simulation(capsys, tmp_path):
+    path = tmp_path / "chain.pb"
+    env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+    result = subprocess.run([sys.executable, "-c", _HOROVOD_CHAIN, str(path)], env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    graph_def = cli.load_graph(str(path))
+    profile_path = tmp_path / "profile.json"
+    save_profile(Profile(op_seconds={node.name: 0.002 for node in graph_def.node},
+                         transfer_seconds={}), str(profile_path))
+    for bandwidth in ("100Mbit", "1Gbit", "10Gbit"):
+        code, out, _ = run(capsys, "simulate", path, "--profile", profile_path, "--algo",
+                           "default,caramel", "--workers", 4, "--bandwidth", bandwidth,
+                           "--latency-us", 500)
+        assert code == 0
+        default, caramel = (float(line.split()[1]) for line in out.splitlines()[2:4])
+        assert caramel <= default * (1 + 1e-9), (bandwidth, default, caramel)

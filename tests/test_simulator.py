@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tfoverlap.cost_model import ring_allreduce_seconds
 from tfoverlap.simulator import (COLLECTIVE, COMPUTE, TRANSFER, Problem, lower_bound,
-                                 ring_allreduce_seconds, serial_sum, simulate)
+                                 serial_sum, simulate)
 
 
 def problem(tasks, edges=(), threads=(1,), channels=((0, 1),), bandwidth=100.0,

@@ -196,6 +196,8 @@ def _critical_path(model, profile) -> tuple[list[int], float]:
 def _schedule(args) -> int:
     from tfoverlap.graph_model import tensor_bytes
     graph_def = load_graph(args.graph)
+    if args.algo == "caramel":
+        return _schedule_allreduce(graph_def, args)
     model, transfers, orders, edges, arrivals, notes = _plan(graph_def, args, args.algo)
     if not transfers:
         raise CliError(f"no parameter transfers in {args.graph} (PS devices "
@@ -228,6 +230,43 @@ def _schedule(args) -> int:
         print(f"  ... {len(edges) - args.top} more (--top N, or --json for all)")
     for key, value in notes.items():
         print(f"note: {key}: {value}")
+    return 0
+
+
+def _schedule_allreduce(graph_def, args) -> int:
+    from tfoverlap.caramel_plan import ALLREDUCE_OP, plan_allreduce
+    from tfoverlap.options import parse_bandwidth
+    if not any(node.op == ALLREDUCE_OP for node in graph_def.node):
+        raise CliError(f"no {ALLREDUCE_OP} ops in {args.graph}; caramel plans Horovod graphs")
+    if args.workers < 2:
+        raise CliError(f"--workers must be >= 2 for AllReduce, got {args.workers}")
+    try:
+        bandwidth = parse_bandwidth(args.bandwidth)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    profile = _load_profile(args.profile)
+    plan = plan_allreduce(graph_def, "caramel", args.workers, bandwidth,
+                          args.latency_us * 1e-6, profile.op_seconds if profile else None,
+                          chunk_bytes=args.chunk_mb * 1e6)
+    names = [plan.model.names[v] for v in plan.nodes]
+    rows = [{"bucket": k, "gradients": [{"allreduce": names[p.gradient], "offset": p.offset,
+                                          "bytes": p.size} for p in b.pieces],
+             "bytes": b.size, "ready_s": b.ready, "start_s": b.start, "finish_s": b.finish}
+            for k, b in enumerate(plan.buckets)]
+    if args.json:
+        json.dump({"algorithm": "caramel", "ranks": args.workers, "bandwidth": bandwidth,
+                   "buckets": rows}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"Caramel buckets for {len(names)} AllReduces, {args.workers} ranks, "
+          f"{bandwidth * 8 / 1e9:g} Gbit/s" + ("" if profile else
+                                              " (no profile: every gradient ready at once)"))
+    print(f"  {'#':>3} {'gradients':>9} {'size':>12} {'ready ms':>9} {'start ms':>9} "
+          f"{'finish ms':>10}  first gradient")
+    for row in rows:
+        print(f"  {row['bucket']:>3} {len(row['gradients']):>9} {_megabytes(row['bytes']):>12} "
+              f"{row['ready_s'] * 1e3:>9.2f} {row['start_s'] * 1e3:>9.2f} "
+              f"{row['finish_s'] * 1e3:>10.2f}  {row['gradients'][0]['allreduce']}")
     return 0
 
 
@@ -421,14 +460,21 @@ def _parser() -> argparse.ArgumentParser:
                                        "Horovod ops of a graph")
     inspect.set_defaults(run=_inspect)
     schedule = graph_command("schedule", "the transfer order TIC or TAC plans and the "
-                                         "ordering constraints the pass would add")
-    schedule.add_argument("--algo", choices=("tic", "tac"), default="tic")
+                                         "ordering constraints the pass would add; for "
+                                         "Horovod graphs Caramel's AllReduce buckets")
+    schedule.add_argument("--algo", choices=("tic", "tac", "caramel"), default="tic")
     schedule.add_argument("--json", action="store_true")
+    schedule.add_argument("--workers", type=int, default=4, help="caramel: ranks")
+    schedule.add_argument("--bandwidth", default="10Gbit", help="caramel: per link")
+    schedule.add_argument("--latency-us", type=float, default=50.0, help="caramel: alpha")
+    schedule.add_argument("--chunk-mb", type=float, default=64.0,
+                          help="caramel: split larger gradients into pieces of this size")
     schedule.set_defaults(run=_schedule)
     simulate = graph_command("simulate", "predict one iteration with each algorithm "
                                          "(discrete-event simulation)")
     simulate.add_argument("--algo", default="default,tic,tac",
-                          help="comma-separated: default, tic, tac")
+                          help="comma-separated: default, tic, tac (PS graphs); default, "
+                               "caramel (Horovod graphs)")
     simulate.add_argument("--workers", type=int, default=2)
     simulate.add_argument("--ps", type=int, default=0,
                           help="spread the variables over this many PS tasks (default: as placed)")

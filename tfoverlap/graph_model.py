@@ -11,8 +11,8 @@ import re
 from typing import Iterable, Sequence
 
 __all__ = [
-    "GraphError", "GraphModel", "parse_input", "parse_device_spec", "DeviceMatcher",
-    "verify_graph_def", "output_dtype", "tensor_bytes",
+    "GraphError", "GraphModel", "is_variable_op", "parse_input", "parse_device_spec",
+    "DeviceMatcher", "verify_graph_def", "output_dtype", "tensor_bytes",
 ]
 
 # Edges out of these ops close TF1 while loops; they are not ordering constraints.
@@ -20,6 +20,11 @@ LOOP_BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
 # Producers whose outputs are resource handles rather than data.
 RESOURCE_HANDLE_OPS = frozenset({"VarHandleOp", "_VarHandlesOp", "HashTableV2",
                                  "MutableHashTableV2"})
+
+
+def is_variable_op(op: str) -> bool:
+    """Whether ``op`` makes a variable (a resource handle or a TF1 ref variable)."""
+    return op in RESOURCE_HANDLE_OPS or op in ("VariableV2", "Variable")
 
 
 class GraphError(ValueError):

@@ -13,7 +13,8 @@ read of transfer k+window waits for the arrival of transfer k, plus the control 
 back to the PS).
 
 Graphs with Horovod AllReduce ops and no PS are simulated with the ring model instead:
-each AllReduce is a collective of ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency``.
+the buckets of Horovod's own fusion (``default``) or of Caramel's plan (``caramel``) are
+reduced one after another, each ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency``.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ import statistics
 
 import numpy as np
 
+from tfoverlap.caramel_plan import ALLREDUCE_OP
 from tfoverlap.cost_model import Profile
 from tfoverlap.graph_model import (RESOURCE_HANDLE_OPS, DeviceMatcher, GraphModel,
-                                   parse_device_spec, tensor_bytes)
+                                   is_variable_op, parse_device_spec, tensor_bytes)
 from tfoverlap.options import Options
 from tfoverlap.passes import PassContext
 from tfoverlap.simulator import COMPUTE, TRANSFER, Problem, lower_bound, serial_sum, simulate
@@ -34,7 +36,7 @@ __all__ = ["Scenario", "Prediction", "ALGORITHMS", "predict", "prune_to_fetches"
            "SimulationError"]
 
 ALGORITHMS = ("default", "tic", "tac")
-ALLREDUCE_OPS = ("HorovodAllreduce", "HorovodGroupedAllreduce")
+ALLREDUCE_ALGORITHMS = ("default", "caramel")
 
 
 class SimulationError(ValueError):
@@ -188,11 +190,11 @@ class _PsGraph:
         for node in range(model.num_nodes):
             if not (devices[node] and is_ps(devices[node])):
                 continue
-            if _is_variable(model.ops[node]):
+            if is_variable_op(model.ops[node]):
                 root[node] = node
             else:
                 root[node] = next((p for p, _ in model.data_inputs[node]
-                                   if _is_variable(model.ops[p])), None)
+                                   if is_variable_op(model.ops[p])), None)
         variables = sorted({r for r in root.values() if r is not None},
                            key=lambda v: -(tensor_bytes(graph_def, model, v) or 0))
         load = [0] * num_tasks
@@ -218,17 +220,13 @@ class _PsGraph:
         if size is None:
             # A gradient pushed to its apply op: as large as the variable it updates.
             for source, _ in model.data_inputs[consumer]:
-                if model.ops[source] in RESOURCE_HANDLE_OPS or model.ops[source].startswith("Variable"):
+                if is_variable_op(model.ops[source]):
                     size = tensor_bytes(graph_def, model, source)
                     break
         if size is None:
             self.unknown_sizes += 1
             return 0.0
         return float(size)
-
-
-def _is_variable(op: str) -> bool:
-    return op in RESOURCE_HANDLE_OPS or op in ("VariableV2", "Variable")
 
 
 def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
@@ -302,12 +300,17 @@ def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profi
     scenario.validate()
     if fetches:
         graph_def = prune_to_fetches(graph_def, fetches)
-    if any(node.op in ALLREDUCE_OPS for node in graph_def.node) and not any(
+    if any(node.op == ALLREDUCE_OP for node in graph_def.node) and not any(
             DeviceMatcher(scenario.ps_devices)(node.device) for node in graph_def.node):
-        return [_predict_allreduce(graph_def, scenario, algorithms, profile)]
+        unknown = [a for a in algorithms if a not in ALLREDUCE_ALGORITHMS]
+        if unknown:
+            raise SimulationError(f"{unknown[0]!r} does not apply to AllReduce (Horovod) "
+                                  f"graphs; choose from {ALLREDUCE_ALGORITHMS}")
+        return [_predict_allreduce(graph_def, scenario, a, profile) for a in algorithms]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
-        raise SimulationError(f"unknown algorithm {unknown[0]!r}; choose from {ALGORITHMS}")
+        raise SimulationError(f"{unknown[0]!r} does not apply to parameter-server graphs; "
+                              f"choose from {ALGORITHMS}")
     graph = _PsGraph(graph_def, scenario, profile)
     if not graph.pull_of_source:
         raise SimulationError("the graph has no parameter transfers to the worker "
@@ -337,63 +340,21 @@ def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profi
     return predictions
 
 
-def _allreduce_bytes(graph_def, model: GraphModel, node: int, succs) -> float:
-    """Bytes one AllReduce reduces: its inputs' static sizes, else the variables that the
-    reduced gradients update (found a few ops downstream)."""
-    total = 0.0
-    for index, (producer, slot) in enumerate(model.data_inputs[node]):
-        size = tensor_bytes(graph_def, model, producer, slot)
-        if size is None:
-            frontier, seen = [node], {node}
-            for _ in range(4):
-                frontier = [c for f in frontier for c in succs[f] if c not in seen]
-                seen.update(frontier)
-                variable = next((p for c in frontier for p, _ in model.data_inputs[c]
-                                 if _is_variable(model.ops[p])), None)
-                if variable is not None:
-                    size = tensor_bytes(graph_def, model, variable)
-                    break
-        total += size or 0
-    return total
-
-
-def _predict_allreduce(graph_def, scenario: Scenario, algorithms, profile) -> Prediction:
-    """Horovod's default: every gradient's AllReduce on its own, one at a time (Horovod's
-    background thread), each a ring AllReduce over ``workers`` ranks."""
-    from tfoverlap.simulator import COLLECTIVE, ring_allreduce_seconds
-    if list(algorithms) != ["default"]:
-        raise SimulationError("for AllReduce (Horovod) graphs the simulator models Horovod's "
-                              "default only; use --algo default")
-    model = GraphModel.from_graph_def(graph_def)
-    succs = model.successors()
+def _predict_allreduce(graph_def, scenario: Scenario, algorithm: str, profile) -> Prediction:
+    """One iteration of a Horovod graph: the plan's buckets reduced one after another on
+    Horovod's background thread, each a ring AllReduce over ``workers`` ranks."""
+    from tfoverlap.caramel_plan import bucket_problem, plan_allreduce
     op_seconds = profile.op_seconds if profile else {}
-    tasks = _Tasks()
-    collectives = 0
-    for node in range(model.num_nodes):
-        if model.ops[node] in ALLREDUCE_OPS:
-            collectives += 1
-            seconds = ring_allreduce_seconds(_allreduce_bytes(graph_def, model, node, succs),
-                                             scenario.workers, scenario.bandwidth,
-                                             scenario.latency)
-            tasks.add(COLLECTIVE, 0, seconds)
-        else:
-            tasks.add(COMPUTE, 0, op_seconds.get(model.names[node], 0.0))
-    for node in range(model.num_nodes):
-        for pred in dict.fromkeys(model.predecessors(node)):
-            tasks.successors[pred].append(node)
-    kind = np.array(tasks.kind, dtype=np.int8)
-    link = np.array([float(scenario.bandwidth)])
+    network = (scenario.workers, scenario.bandwidth, scenario.latency)
+    plan = plan_allreduce(graph_def, algorithm, *network, op_seconds, scenario.threads)
 
-    def run(compute_scale: float, collective_scale: float):
-        work = np.array(tasks.work)
-        work[kind == COMPUTE] *= compute_scale
-        work[kind == COLLECTIVE] *= collective_scale
-        return Problem(kind=kind, resource=np.zeros(len(kind), dtype=np.int64), work=work,
-                       successors=tasks.successors, priority=np.arange(len(kind), dtype=float),
-                       threads=[scenario.threads], channels=[], egress=link, ingress=link)
+    def run(compute_scale: float = 1.0, collective_scale: float = 1.0) -> Problem:
+        return bucket_problem(plan, op_seconds, *network, scenario.threads, compute_scale,
+                              collective_scale)
 
-    problem = run(1.0, 1.0)
-    return Prediction(algorithm="default", iteration=simulate(problem).makespan,
-                      comm=simulate(run(0.0, 1.0)).makespan,
-                      comp=simulate(run(1.0, 0.0)).makespan, lower=lower_bound(problem),
-                      upper=serial_sum(problem), transfers=collectives)
+    problem = run()
+    return Prediction(algorithm=algorithm, iteration=simulate(problem).makespan,
+                      comm=simulate(run(compute_scale=0.0)).makespan,
+                      comp=simulate(run(collective_scale=0.0)).makespan,
+                      lower=lower_bound(problem), upper=serial_sum(problem),
+                      transfers=len(plan.buckets))

@@ -34,18 +34,10 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["COMPUTE", "TRANSFER", "COLLECTIVE", "Problem", "Schedule", "simulate",
-           "ring_allreduce_seconds", "lower_bound", "serial_sum"]
+           "lower_bound", "serial_sum"]
 
 COMPUTE, TRANSFER, COLLECTIVE = 0, 1, 2
 _TIME_EPSILON = 1e-9
-
-
-def ring_allreduce_seconds(num_bytes: float, ranks: int, bandwidth: float,
-                           latency: float) -> float:
-    """Time of a ring AllReduce of ``num_bytes`` over ``ranks`` ranks (alpha-beta model)."""
-    if ranks <= 1:
-        return 0.0
-    return 2 * (ranks - 1) / ranks * num_bytes / bandwidth + 2 * (ranks - 1) * latency
 
 
 @dataclasses.dataclass

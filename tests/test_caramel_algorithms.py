@@ -1,0 +1,110 @@
+"""Caramel's bucket plan on plain numbers: brute force agrees, and the plan behaves."""
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tfoverlap.cost_model import ring_allreduce_seconds
+from tfoverlap.schedulers.caramel import bucket_finish_times, plan_buckets
+
+NET = dict(ranks=4, bandwidth=1e9, latency=1e-3)
+
+
+def brute_force_best(sizes, ready):
+    """The best finish over every way to cut the ready order into consecutive buckets."""
+    best = math.inf
+    count = len(sizes)
+    for cuts in itertools.product([False, True], repeat=count - 1):
+        bounds, first = [], 0
+        for index, cut in enumerate(cuts, start=1):
+            if cut:
+                bounds.append((first, index))
+                first = index
+        bounds.append((first, count))
+        finish = bucket_finish_times([sum(sizes[a:b]) for a, b in bounds],
+                                     [ready[b - 1] for a, b in bounds], **NET)
+        best = min(best, finish[-1])
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50_000_000), st.floats(0, 0.05)), min_size=1,
+                max_size=8))
+def test_plan_is_optimal_among_consecutive_bucketings(gradients):
+    sizes = [size for size, _ in gradients]
+    ready = sorted(gap for _, gap in gradients)
+    buckets = plan_buckets(sizes, ready, **NET)
+    assert buckets[-1].finish == pytest.approx(brute_force_best(sizes, ready), rel=1e-9)
+    # Every byte of every gradient is in exactly one bucket, in ready order.
+    covered = [(p.gradient, p.offset, p.size) for b in buckets for p in b.pieces]
+    assert [g for g, _, _ in covered] == sorted(g for g, _, _ in covered)
+    assert {g: sum(s for gg, _, s in covered if gg == g) for g, _, _ in covered} == {
+        g: sizes[g] for g in range(len(sizes))}
+    for earlier, later in zip(buckets, buckets[1:]):
+        assert later.start >= earlier.finish - 1e-12 and later.start >= later.ready
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50_000_000), st.floats(0, 0.05), st.floats(0, 0.05)),
+                min_size=1, max_size=10))
+def test_with_tails_the_plan_is_never_worse_than_horovods_fusion(gradients):
+    from tfoverlap.schedulers.caramel import horovod_default_buckets, step_end
+    sizes = [size for size, _, _ in gradients]
+    ready = sorted(gap for _, gap, _ in gradients)
+    tails = [tail for _, _, tail in gradients]
+    for threads in (1, 2):
+        plan = plan_buckets(sizes, ready, tails=tails, threads=threads, **NET)
+        default = horovod_default_buckets(sizes, ready, **NET)
+        assert step_end(plan, tails, threads) <= (
+            step_end(default, tails, threads) * (1 + 1e-9) + 1e-12)
+
+
+def test_latency_bound_network_fuses_and_bandwidth_bound_network_pipelines():
+    sizes, ready = [1000] * 10, [0.001 * i for i in range(10)]
+    slow_start = plan_buckets(sizes, ready, ranks=4, bandwidth=1e9, latency=0.01)
+    assert len(slow_start) == 1            # 10 x 6 latencies would cost more than waiting
+    # Each 100 MB AllReduce takes 0.15 s and the gradients come 0.2 s apart: each goes
+    # alone, as soon as it is ready; only the last one is not hidden behind compute.
+    big = [100_000_000] * 4
+    spread = [0.2 * i for i in range(4)]
+    pipelined = plan_buckets(big, spread, ranks=4, bandwidth=1e9, latency=1e-5)
+    assert len(pipelined) == 4
+    assert pipelined[-1].finish == pytest.approx(
+        0.6 + ring_allreduce_seconds(100_000_000, 4, 1e9, 1e-5))
+
+
+def test_large_gradients_are_split_so_their_first_part_travels_early():
+    # A huge gradient ready early, then small ones that trickle in: one piece of the huge
+    # one can go while the rest is still computing.
+    sizes = [400_000_000, 1000, 1000]
+    ready = [0.0, 0.5, 0.6]
+    whole = plan_buckets(sizes, ready, **NET)
+    split = plan_buckets(sizes, ready, chunk_bytes=50_000_000, **NET)
+    assert all(len(b.pieces) >= 1 for b in split)
+    assert sum(p.size for b in split for p in b.pieces if p.gradient == 0) == 400_000_000
+    assert split[-1].finish <= whole[-1].finish + 1e-12
+
+
+def test_bad_plans_are_refused():
+    with pytest.raises(ValueError, match="ready order"):
+        plan_buckets([1, 2], [0.2, 0.1], **NET)
+    with pytest.raises(ValueError, match="length"):
+        plan_buckets([1, 2], [0.1], **NET)
+    with pytest.raises(ValueError):
+        plan_buckets([1], [0.0], ranks=0, bandwidth=1e9, latency=0.0)
+    assert plan_buckets([], [], **NET) == []
+
+
+def test_horovod_default_fuses_what_is_ready_each_cycle():
+    from tfoverlap.schedulers.caramel import horovod_default_buckets
+    sizes = [10, 20, 30, 40]
+    ready = [0.0, 0.0004, 0.0025, 0.0026]
+    buckets = horovod_default_buckets(sizes, ready, ranks=2, bandwidth=1e3, latency=0.0)
+    # Cycle at 0 takes gradient 0; the thread is then busy for 10 bytes / 1e3 B/s = 10 ms;
+    # at the next cycle after 10 ms everything else is ready and goes as one request.
+    assert [[p.gradient for p in b.pieces] for b in buckets] == [[0], [1, 2, 3]]
+    assert buckets[1].start == pytest.approx(0.010)
+    capped = horovod_default_buckets(sizes, [0.0] * 4, ranks=2, bandwidth=1e3, latency=0.0,
+                                      fusion_bytes=50)
+    assert [[p.gradient for p in b.pieces] for b in capped] == [[0, 1], [2], [3]]
