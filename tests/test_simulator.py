@@ -52,16 +52,6 @@ def test_large_transfers_interleave_in_chunks():
     assert list(schedule.start) == pytest.approx([0.0, 1.0])
 
 
-def test_compute_slows_down_while_its_host_moves_data():
-    # A 1 s transfer into host 1 while host 1 computes for 1 s, at half speed meanwhile.
-    tasks = [(TRANSFER, 0, 100.0), (COMPUTE, 1, 1.0)]
-    shared = problem(tasks, threads=(1, 1))
-    shared.network_cpu_share = 0.5
-    assert simulate(shared).end[1] == pytest.approx(1.5)
-    shared.network_cpu_share = 0.0
-    assert simulate(shared).end[1] == pytest.approx(1.0)
-
-
 def test_transfers_into_one_host_share_its_link():
     # Hosts 0 and 1 both send 100 bytes to host 2 over their own channels.
     tasks = [(TRANSFER, 0, 100.0), (TRANSFER, 1, 100.0)]
@@ -108,7 +98,6 @@ def random_problems(draw):
                              bandwidth=draw(st.floats(0.5, 4.0)),
                              latency=draw(st.floats(0.0, 0.1)), priority=priority)
     random_problem.chunk_bytes = draw(st.sampled_from([float("inf"), 0.5, 2.0]))
-    random_problem.network_cpu_share = draw(st.sampled_from([0.0, 0.3]))
     return random_problem
 
 

@@ -54,7 +54,6 @@ class Scenario:
     ps_devices: str = "/job:ps"
     ps_tasks: int = 0              # > 0: spread the variables over this many PS tasks
     chunk_bytes: float = 16e6      # see simulator.Problem.chunk_bytes (fitted: docs)
-    network_cpu_share: float = 0.0  # see simulator.Problem.network_cpu_share
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -65,9 +64,6 @@ class Scenario:
             raise SimulationError(f"latency must be >= 0, got {self.latency}")
         if self.threads < 1 or self.window < 1 or self.seeds < 1:
             raise SimulationError("threads, window and seeds must be >= 1")
-        if not 0 <= self.network_cpu_share < 1:
-            raise SimulationError(f"network CPU share must be in [0, 1), got "
-                                  f"{self.network_cpu_share}")
         if not self.chunk_bytes > 0:
             raise SimulationError(f"chunk size must be positive, got {self.chunk_bytes}")
         if self.ps_tasks < 0:
@@ -246,8 +242,7 @@ def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
                    successors=successors, priority=np.asarray(priority, float),
                    threads=[2] * graph.num_ps + [scenario.threads],
                    channels=graph.channels, egress=link, ingress=link.copy(),
-                   latency=scenario.latency * transfer_scale, chunk_bytes=scenario.chunk_bytes,
-                   network_cpu_share=scenario.network_cpu_share)
+                   latency=scenario.latency * transfer_scale, chunk_bytes=scenario.chunk_bytes)
 
 
 def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,

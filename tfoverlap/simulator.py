@@ -18,9 +18,6 @@ channel (one at a time, Horovod's background thread) for
 ``2 (n-1)/n * bytes / bandwidth + 2 (n-1) * latency`` seconds.
 
 Ready compute tasks start in priority order (then readiness order) when a thread is free.
-Compute device d lives on host d; while host d sends or receives, its compute runs
-``network_cpu_share`` slower (moving data costs CPU time, which a machine with few cores
-notices).
 Tasks with zero work complete the moment they are ready. The result is every task's start
 and end and the makespan.
 """
@@ -54,8 +51,6 @@ class Problem:
     egress[h], ingress[h]: bytes/s of host h's link in each direction.
     latency:      seconds per transfer message.
     chunk_bytes:  the most one transfer sends before the channel serves the next.
-    network_cpu_share: the share of host d's CPU that moving data takes while host d sends
-                  or receives; compute on device d runs that much slower meanwhile.
     """
 
     kind: np.ndarray
@@ -69,7 +64,6 @@ class Problem:
     ingress: np.ndarray
     latency: float = 0.0
     chunk_bytes: float = math.inf
-    network_cpu_share: float = 0.0
 
     @property
     def num_tasks(self) -> int:
@@ -90,8 +84,6 @@ class Problem:
             raise ValueError("latency must be non-negative")
         if not self.chunk_bytes > 0:
             raise ValueError("chunk_bytes must be positive")
-        if not 0 <= self.network_cpu_share < 1:
-            raise ValueError("network_cpu_share must be in [0, 1)")
 
 
 @dataclasses.dataclass
@@ -109,15 +101,6 @@ def _transfer_rate(problem: Problem, channel: int, leaving: np.ndarray,
     source, destination = problem.channels[channel]
     return min(problem.egress[source] / leaving[source],
                problem.ingress[destination] / entering[destination])
-
-
-def _compute_speed(problem: Problem, device: int, leaving: np.ndarray,
-                   entering: np.ndarray) -> float:
-    """Compute on device d (host d) slows down while that host sends or receives."""
-    if problem.network_cpu_share == 0 or device >= len(leaving):
-        return 1.0
-    busy = leaving[device] + entering[device] > 0
-    return 1.0 - problem.network_cpu_share if busy else 1.0
 
 
 def simulate(problem: Problem, collective_seconds=None) -> Schedule:
@@ -217,25 +200,23 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
             break
         rates = {task: _transfer_rate(problem, resource[task], leaving, entering)
                  for task in active}
-        speeds = {task: _compute_speed(problem, resource[task], leaving, entering)
-                  for task in computing}
         next_time = running[0][0] if running else math.inf
         for task, left in active.items():
             next_time = min(next_time, now + left / rates[task])
-        for task, left in computing.items():
-            next_time = min(next_time, now + left / speeds[task])
+        for left in computing.values():
+            next_time = min(next_time, now + left)
         if next_time == math.inf:
             raise ValueError("the simulation is stuck: the task graph has a cycle")
         for task in active:
             active[task] -= rates[task] * (next_time - now)
         for task in computing:
-            computing[task] -= speeds[task] * (next_time - now)
+            computing[task] -= next_time - now
         now = next_time
         while running and running[0][0] <= now + _TIME_EPSILON:
             task = heapq.heappop(running)[1]
             collective_busy = False
             finish(task)
-        for task in [t for t, left in computing.items() if left <= speeds[t] * _TIME_EPSILON]:
+        for task in [t for t, left in computing.items() if left <= _TIME_EPSILON]:
             del computing[task]
             free_threads[resource[task]] += 1
             finish(task)
