@@ -25,7 +25,7 @@ import time
 
 from tfoverlap.options import parse_bandwidth
 
-__all__ = ["Configuration", "VARIANTS", "DEFAULT_BATCH", "DEFAULT_BANDWIDTH", "run_configuration", "main"]
+__all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH", "DEFAULT_BANDWIDTH", "run_configuration", "main"]
 
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
 VARIANTS = {
@@ -33,7 +33,11 @@ VARIANTS = {
     "tf_recv_scheduling": {"recv_scheduling": True},
     "tic": {"tfoverlap": {"schedule": "tic"}},
     "tac": {"tfoverlap": {"schedule": "tac"}},  # the profile path is added per worker
+    "tic_window2": {"tfoverlap": {"schedule": "tic", "window": 2}},
+    "tac_window2": {"tfoverlap": {"schedule": "tac", "window": 2}},
 }
+#: what a run compares unless told otherwise.
+DEFAULT_VARIANTS = ("default", "tf_recv_scheduling", "tic", "tac")
 
 #: (model, training) -> batch size chosen for comm/comp near 1 at DEFAULT_BANDWIDTH with
 #: one PS and two workers on this project's 2-core machines (the measured ratio is reported).
@@ -113,12 +117,12 @@ def _profile_path(workdir: str, task: int) -> str:
 
 def _variant_spec(name: str, workdir: str, task: int) -> dict:
     spec = copy.deepcopy(VARIANTS[name])
-    if spec.get("tfoverlap", {}).get("schedule") == "tac":
+    if spec.get("tfoverlap", {}).get("schedule") == "tac":  # TAC's profile, per worker
         spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
     return spec
 
 
-def run_configuration(config: Configuration, variants=tuple(VARIANTS), rounds: int = 5,
+def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: int = 5,
                       steps: int = 3, traces: int = 3, workdir: str = "/tmp",
                       timeout: float = 900.0) -> dict:
     """Runs one configuration on a fresh emulated network; returns the raw measurements."""
@@ -241,7 +245,8 @@ def main(argv=None) -> int:
         prog="python -m tfoverlap.bench.ps", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="seq32,par32,resnet50,inception_v3,vgg16",
                         help="comma-separated; model[:training|:inference] (default both)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--ps", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, help="override the per-model batch size")
