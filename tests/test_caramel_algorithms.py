@@ -6,9 +6,19 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tfoverlap.cost_model import ring_allreduce_seconds
-from tfoverlap.schedulers.caramel import bucket_finish_times, plan_buckets
+from tfoverlap.schedulers.caramel import plan_buckets
 
 NET = dict(ranks=4, bandwidth=1e9, latency=1e-3)
+
+
+def bucket_finish_times(bucket_sizes, bucket_ready, ranks, bandwidth, latency):
+    """Buckets launched in order on one thread, each when ready: when each finishes."""
+    finish, previous = [], 0.0
+    for size, ready_at in zip(bucket_sizes, bucket_ready):
+        previous = max(previous, ready_at) + ring_allreduce_seconds(size, ranks, bandwidth,
+                                                                    latency)
+        finish.append(previous)
+    return finish
 
 
 def brute_force_best(sizes, ready):

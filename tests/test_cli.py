@@ -247,12 +247,17 @@ with open(sys.argv[1], "wb") as stream:
 """
 
 
-def test_allreduce_graphs_use_the_ring_model(capsys, tmp_path):
-    path = tmp_path / "horovod.pb"
+def build_horovod_graph(script: str, path) -> None:
+    """Runs ``script`` (which writes a Horovod graph to argv[1]) as a one-rank Gloo job."""
     env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
-    result = subprocess.run([sys.executable, "-c", _HOROVOD_GRAPH, str(path)], env=env,
+    result = subprocess.run([sys.executable, "-c", script, str(path)], env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_allreduce_graphs_use_the_ring_model(capsys, tmp_path):
+    path = tmp_path / "horovod.pb"
+    build_horovod_graph(_HOROVOD_GRAPH, path)
     code, out, _ = run(capsys, "inspect", path)
     assert code == 0 and "HorovodAllreduce x1" in out
     code, out, _ = run(capsys, "simulate", path, "--algo", "default", "--workers", 4,
@@ -294,10 +299,7 @@ with open(sys.argv[1], "wb") as stream:
 
 def test_caramel_plan_is_never_worse_than_horovods_fusion_in_the_simulation(capsys, tmp_path):
     path = tmp_path / "chain.pb"
-    env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
-    result = subprocess.run([sys.executable, "-c", _HOROVOD_CHAIN, str(path)], env=env,
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
+    build_horovod_graph(_HOROVOD_CHAIN, path)
     graph_def = cli.load_graph(str(path))
     profile_path = tmp_path / "profile.json"
     save_profile(Profile(op_seconds={node.name: 0.002 for node in graph_def.node},

@@ -139,7 +139,6 @@ class _PsGraph:
         self.channels: list[tuple[int, int]] = []
         channel_index: dict[tuple[int, int], int] = {}
         self.pull_of_source: dict[int, int] = {}    # PS source node -> its pull transfer
-        self.unknown_sizes = 0
         transfer_of: dict[tuple[int, int], int] = {}
         transfer_bytes = profile.transfer_bytes if profile else {}
         for consumer in range(model.num_nodes):
@@ -219,10 +218,7 @@ class _PsGraph:
                 if is_variable_op(model.ops[source]):
                     size = tensor_bytes(graph_def, model, source)
                     break
-        if size is None:
-            self.unknown_sizes += 1
-            return 0.0
-        return float(size)
+        return float(size or 0)
 
 
 def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),

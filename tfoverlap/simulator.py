@@ -103,9 +103,8 @@ def _transfer_rate(problem: Problem, channel: int, leaving: np.ndarray,
                problem.ingress[destination] / entering[destination])
 
 
-def simulate(problem: Problem, collective_seconds=None) -> Schedule:
-    """Runs the iteration; ``collective_seconds(task)`` gives a collective's duration
-    (default: its ``work``, already in seconds)."""
+def simulate(problem: Problem) -> Schedule:
+    """Runs the iteration (a collective's ``work`` is its duration in seconds)."""
     problem.validate()
     n = problem.num_tasks
     kind, resource, work, priority = (problem.kind, problem.resource, problem.work,
@@ -188,8 +187,7 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
             task = heapq.heappop(collective_queue)[2]
             collective_busy = True
             start[task] = now
-            seconds = collective_seconds(task) if collective_seconds else work[task]
-            heapq.heappush(running, (now + seconds, task))
+            heapq.heappush(running, (now + work[task], task))
 
     for task in range(n):
         if indegree[task] == 0:
@@ -238,26 +236,26 @@ def simulate(problem: Problem, collective_seconds=None) -> Schedule:
     return Schedule(start=start, end=end)
 
 
-def _alone_seconds(problem: Problem, task: int, collective_seconds=None) -> float:
+def _alone_seconds(problem: Problem, task: int) -> float:
     if problem.kind[task] == COMPUTE:
         return float(problem.work[task])
     if problem.kind[task] == COLLECTIVE:
-        return float(collective_seconds(task) if collective_seconds else problem.work[task])
+        return float(problem.work[task])
     source, destination = problem.channels[problem.resource[task]]
     return float(problem.work[task] / min(problem.egress[source], problem.ingress[destination])
                  + problem.latency)
 
 
-def serial_sum(problem: Problem, collective_seconds=None) -> float:
+def serial_sum(problem: Problem) -> float:
     """Every task one after another at full speed: an upper bound of the makespan."""
-    return sum(_alone_seconds(problem, t, collective_seconds) for t in range(problem.num_tasks))
+    return sum(_alone_seconds(problem, t) for t in range(problem.num_tasks))
 
 
-def lower_bound(problem: Problem, collective_seconds=None) -> float:
+def lower_bound(problem: Problem) -> float:
     """The largest of: the critical path at full speed, each device's work over its
     threads, each channel's and each host link's bytes over its bandwidth."""
     n = problem.num_tasks
-    alone = [_alone_seconds(problem, t, collective_seconds) for t in range(n)]
+    alone = [_alone_seconds(problem, t) for t in range(n)]
     indegree = [0] * n
     for consumers in problem.successors:
         for consumer in consumers:

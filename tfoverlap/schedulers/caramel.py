@@ -20,8 +20,7 @@ import numpy as np
 
 from tfoverlap.cost_model import ring_allreduce_seconds
 
-__all__ = ["Piece", "Bucket", "plan_buckets", "bucket_finish_times", "horovod_default_buckets",
-           "step_end"]
+__all__ = ["Piece", "Bucket", "plan_buckets", "horovod_default_buckets", "step_end"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,25 +137,14 @@ def _launch(groups, ready, ranks, bandwidth, latency) -> list[Bucket]:
 def step_end(buckets: Sequence[Bucket], tails: Sequence[float], threads: int = 1) -> float:
     """When the step ends under a plan: the latest bucket finish plus its tail (see
     :func:`plan_buckets`)."""
-    ends = []
-    for bucket in buckets:
-        finished = {p.gradient for p in bucket.pieces
-                    if not any(q.gradient == p.gradient and q.offset > p.offset
-                               for b in buckets for q in b.pieces)}
-        own = [tails[g] for g in finished]
-        ends.append(bucket.finish + max(max(own, default=0.0), sum(own) / threads))
+    last_bucket = {piece.gradient: index for index, bucket in enumerate(buckets)
+                   for piece in bucket.pieces}          # a gradient's tail follows its last piece
+    own: list[list[float]] = [[] for _ in buckets]
+    for gradient, index in last_bucket.items():
+        own[index].append(tails[gradient])
+    ends = [bucket.finish + max(max(mine, default=0.0), sum(mine) / threads)
+            for bucket, mine in zip(buckets, own)]
     return max(ends, default=0.0)
-
-
-def bucket_finish_times(bucket_sizes: Sequence[int], bucket_ready: Sequence[float],
-                        ranks: int, bandwidth: float, latency: float) -> list[float]:
-    """When each of a given list of buckets finishes, launched in order on one thread."""
-    finish, previous = [], 0.0
-    for size, ready_at in zip(bucket_sizes, bucket_ready):
-        previous = max(previous, ready_at) + ring_allreduce_seconds(size, ranks, bandwidth,
-                                                                    latency)
-        finish.append(previous)
-    return finish
 
 
 def horovod_default_buckets(sizes: Sequence[int], ready: Sequence[float], ranks: int,

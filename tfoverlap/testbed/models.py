@@ -74,6 +74,15 @@ class _LeastLoadedTask:
         return task
 
 
+def _kernel(name: str, width: int, seed: int, use_resource: bool = True):
+    """A width x width kernel, initialized with a scale that keeps activations stable."""
+    import tensorflow as tf
+    return tf.compat.v1.get_variable(
+        name, shape=[width, width], use_resource=use_resource,
+        initializer=tf.compat.v1.random_normal_initializer(stddev=1.0 / width ** 0.5,
+                                                           seed=seed))
+
+
 def chain_model(num_layers: int = 16, width: int = 256, batch: int = 64,
                 num_ps: int = 1, worker_device: str = "/job:worker/task:0",
                 ps_devices: Sequence[str] | None = None, use_resource: bool = True,
@@ -93,10 +102,8 @@ def chain_model(num_layers: int = 16, width: int = 256, batch: int = 64,
         weights = []
         for layer in range(num_layers):
             with tf.device(ps_devices[layer % len(ps_devices)]):
-                weights.append(tf.compat.v1.get_variable(
-                    f"layer{layer}/kernel", shape=[width, width], use_resource=use_resource,
-                    initializer=tf.compat.v1.random_normal_initializer(
-                        stddev=1.0 / width ** 0.5, seed=seed + layer)))
+                weights.append(_kernel(f"layer{layer}/kernel", width, seed + layer,
+                                       use_resource))
         with tf.device(worker_device):
             inputs = tf.random.stateless_normal([batch, width], seed=[seed, 7])
             hidden = inputs
@@ -124,10 +131,8 @@ def parallel_model(num_branches: int = 32, width: int = 256, batch: int = 64,
         for branch in range(num_branches):
             with tf.device(ps_devices[branch % len(ps_devices)]):
                 for layer in range(2):
-                    weights.append(tf.compat.v1.get_variable(
-                        f"branch{branch}/layer{layer}/kernel", shape=[width, width],
-                        use_resource=True, initializer=tf.compat.v1.random_normal_initializer(
-                            stddev=1.0 / width ** 0.5, seed=seed + 2 * branch + layer)))
+                    weights.append(_kernel(f"branch{branch}/layer{layer}/kernel", width,
+                                           seed + 2 * branch + layer))
         with tf.device(worker_device):
             inputs = tf.random.stateless_normal([batch, width], seed=[seed, 7])
             outputs = []
