@@ -15,14 +15,25 @@ import numpy as np
 
 from tfoverlap.cost_model import ring_allreduce_seconds
 from tfoverlap.graph_model import GraphModel, is_variable_op, tensor_bytes
+from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR
 from tfoverlap.schedulers.caramel import Bucket, horovod_default_buckets, plan_buckets
 from tfoverlap.simulator import COLLECTIVE, COMPUTE, Problem, simulate
 
-__all__ = ["ALLREDUCE_OP", "AllreducePlan", "allreduce_gradients", "bucket_problem",
-           "plan_allreduce"]
+__all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradients",
+           "bucket_problem", "plan_allreduce", "is_planned_allreduce"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 SPLIT_BYTES = 64e6      # gradients larger than this are planned in pieces
+
+
+@dataclasses.dataclass
+class GradientTimes:
+    model: GraphModel
+    nodes: list[int]          # the AllReduce nodes, in ready order
+    sizes: list[int]          # bytes each reduces
+    ready: list[float]        # when each one's input is ready (seconds into the step)
+    tails: list[float]        # compute that follows each one's reduction
+    producers: list[int]      # the ops producing the gradients, in simulated start order
 
 
 @dataclasses.dataclass
@@ -34,12 +45,16 @@ class AllreducePlan:
     ready: list[float]        # when each one's input is ready (seconds into the step)
     tails: list[float]        # compute that follows each one's reduction
     buckets: list[Bucket]     # pieces refer to positions in ``nodes``
+    producers: list[int]      # the gradients' producers, in the order they should run
 
 
-def _gradient_bytes(graph_def, model: GraphModel, node: int, succs) -> int:
+def _gradient_bytes(graph_def, model: GraphModel, node: int, succs,
+                    known: dict | None = None) -> int:
     total = 0
     for producer, slot in model.data_inputs[node]:
-        size = tensor_bytes(graph_def, model, producer, slot)
+        size = (known or {}).get(f"{model.names[producer]}:{slot}")
+        if size is None:
+            size = tensor_bytes(graph_def, model, producer, slot)
         if size is None:
             # The reduced gradient updates a variable a few ops downstream: its size.
             frontier, seen = [node], {node}
@@ -55,26 +70,57 @@ def _gradient_bytes(graph_def, model: GraphModel, node: int, succs) -> int:
     return total
 
 
-def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2):
-    """(model, AllReduce nodes in ready order, their sizes, their ready times, the compute
-    that follows each one's reduction: its tail)."""
+def is_planned_allreduce(node_def) -> bool:
+    """A HorovodAllreduce that Caramel may bucket (not one of its own plan-check ops)."""
+    return node_def.op == ALLREDUCE_OP and CARAMEL_ATTR not in node_def.attr
+
+
+def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
+                        tensor_sizes: dict | None = None,
+                        network: tuple[int, float, float] | None = None) -> GradientTimes:
+    """The graph's AllReduce nodes in the order their gradients become ready.
+
+    One compute-only simulation of the step with ``op_seconds`` on ``threads`` threads
+    (TensorFlow's inter-op pool). Ready ops run in critical-path priority: the longest
+    remaining path, where an AllReduce counts its ring time under ``network`` (ranks,
+    bytes/s, latency), so that gradients whose communication is long are produced early.
+    """
     model = GraphModel.from_graph_def(graph_def)
     succs = model.successors()
-    nodes = [v for v in range(model.num_nodes) if model.ops[v] == ALLREDUCE_OP]
+    nodes = [v for v in range(model.num_nodes) if is_planned_allreduce(graph_def.node[v])]
+    sizes_by_node = {v: _gradient_bytes(graph_def, model, v, succs, tensor_sizes)
+                     for v in nodes}
     work = np.array([0.0 if model.ops[v] == ALLREDUCE_OP else op_seconds.get(name, 0.0)
                      for v, name in enumerate(model.names)])
+    comm = np.zeros(model.num_nodes)
+    if network is not None:
+        for v in nodes:
+            comm[v] = ring_allreduce_seconds(sizes_by_node[v], *network)
+    topological = model.topological_order()
+    position = np.empty(model.num_nodes, dtype=np.int64)
+    position[topological] = np.arange(model.num_nodes)
+    remaining = np.zeros(model.num_nodes)      # critical path from each node to the end
+    after = np.zeros(model.num_nodes)          # compute after each node (its tail)
+    for node in reversed(topological):
+        remaining[node] = work[node] + comm[node] + max(
+            (remaining[c] for c in succs[node]), default=0.0)
+        after[node] = max((work[c] + after[c] for c in succs[node]), default=0.0)
+    # Lower priority runs first: the longest remaining path, then topological position.
+    priority = np.empty(model.num_nodes)
+    priority[np.lexsort((position, -remaining))] = np.arange(model.num_nodes)
     problem = Problem(kind=np.full(model.num_nodes, COMPUTE, dtype=np.int8),
                       resource=np.zeros(model.num_nodes, dtype=np.int64), work=work,
-                      successors=succs, priority=np.arange(model.num_nodes, dtype=float),
+                      successors=succs, priority=priority,
                       threads=[threads], channels=[], egress=np.ones(1), ingress=np.ones(1))
-    started = simulate(problem).start
-    nodes.sort(key=lambda v: (started[v], v))
-    sizes = [_gradient_bytes(graph_def, model, v, succs) for v in nodes]
-    after = [0.0] * model.num_nodes          # the longest compute path after each node
-    for node in reversed(model.topological_order()):
-        after[node] = max((work[c] + after[c] for c in succs[node]), default=0.0)
-    return (model, nodes, sizes, [float(started[v]) for v in nodes],
-            [after[v] for v in nodes])
+    schedule = simulate(problem)
+    started = schedule.start
+    nodes.sort(key=lambda v: (started[v], position[v]))
+    producers = list(dict.fromkeys(model.data_inputs[v][0][0] for v in nodes
+                                   if model.data_inputs[v]))
+    producers.sort(key=lambda p: (started[p], position[p]))
+    return GradientTimes(model=model, nodes=nodes, sizes=[sizes_by_node[v] for v in nodes],
+                         ready=[float(started[v]) for v in nodes],
+                         tails=[float(after[v]) for v in nodes], producers=producers)
 
 
 def bucket_problem(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth: float,
@@ -107,7 +153,8 @@ def bucket_problem(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth:
 
 def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, latency: float,
                    op_seconds: dict | None = None, threads: int = 2,
-                   chunk_bytes: float = SPLIT_BYTES) -> AllreducePlan:
+                   chunk_bytes: float = SPLIT_BYTES,
+                   tensor_sizes: dict | None = None) -> AllreducePlan:
     """The buckets ``algorithm`` ("caramel" or Horovod's "default") makes of the graph.
 
     Caramel's dynamic program models the step coarsely (a bucket's updates as a tail); the
@@ -117,16 +164,22 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
     if algorithm not in ("caramel", "default"):
         raise ValueError(f"unknown AllReduce algorithm {algorithm!r}: caramel or default")
     op_seconds = op_seconds or {}
-    model, nodes, sizes, ready, tails = allreduce_gradients(graph_def, op_seconds, threads)
-    default = AllreducePlan("default", model, nodes, sizes, ready, tails,
-                            horovod_default_buckets(sizes, ready, ranks, bandwidth, latency))
+    times = allreduce_gradients(graph_def, op_seconds, threads, tensor_sizes,
+                                (ranks, bandwidth, latency))
+    sizes, ready, tails = times.sizes, times.ready, times.tails
+
+    def plan(name, buckets):
+        return AllreducePlan(name, times.model, times.nodes, sizes, ready, tails, buckets,
+                             times.producers)
+
+    default = plan("default", horovod_default_buckets(sizes, ready, ranks, bandwidth, latency))
     if algorithm == "default":
         return default
-    caramel = AllreducePlan("caramel", model, nodes, sizes, ready, tails, plan_buckets(
-        sizes, ready, ranks, bandwidth, latency, chunk_bytes, tails, threads))
+    caramel = plan("caramel", plan_buckets(sizes, ready, ranks, bandwidth, latency,
+                                           chunk_bytes, tails, threads))
 
-    def step(plan):
-        return simulate(bucket_problem(plan, op_seconds, ranks, bandwidth, latency,
+    def step(candidate):
+        return simulate(bucket_problem(candidate, op_seconds, ranks, bandwidth, latency,
                                        threads)).makespan
 
     if step(default) < step(caramel):

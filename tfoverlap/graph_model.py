@@ -10,7 +10,7 @@ import dataclasses
 import re
 from typing import Iterable, Sequence
 
-__all__ = [
+__all__ = ["dtype_bytes", 
     "GraphError", "GraphModel", "is_variable_op", "parse_input", "parse_device_spec",
     "DeviceMatcher", "verify_graph_def", "output_dtype", "tensor_bytes",
 ]
@@ -235,6 +235,11 @@ _DTYPE_BYTES = {1: 4, 2: 8, 3: 4, 4: 1, 5: 2, 6: 1, 8: 8, 9: 8, 10: 1, 14: 2, 17
                 19: 2, 22: 4, 23: 8}
 _VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp"})
 _PASS_THROUGH_OPS = frozenset({"Identity", "ReadVariableOp", "Snapshot"})
+
+
+def dtype_bytes(dtype: int) -> int:
+    """Bytes per element of a DataType enum value (4 if unknown)."""
+    return _DTYPE_BYTES.get(dtype % 100, 4)
 
 
 def _shape_elements(shape_proto) -> int | None:

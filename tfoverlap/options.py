@@ -17,6 +17,7 @@ from tfoverlap.graph_model import parse_device_spec
 __all__ = ["Options", "parse_options", "parse_bandwidth", "OPTION_NAMES"]
 
 SCHEDULES = ("tic", "tac", "none")
+ALLREDUCE_SCHEDULES = ("caramel", "none")
 GATES = ("arrival", "consumer")
 
 
@@ -34,7 +35,16 @@ class Options:
                  matches when every field the spec names agrees ("/job:ps" matches every
                  device of job ps, "/device:CPU:1" every CPU:1).
     profile:     a profile file written by ``tfoverlap.profile`` (TAC's costs); "" for none.
-    bandwidth:   bytes per second used to estimate transfer times missing from the profile.
+    bandwidth:   bytes per second of a link: transfer times missing from the profile, and
+                 Caramel's beta (a number or a string such as "10Gbit").
+    allreduce:   Horovod AllReduce scheduling: "caramel" (backward order, planned buckets,
+                 split large gradients) or "none".
+    ranks:       Caramel: ranks in the job; 0 reads it from Horovod (or HOROVOD_SIZE /
+                 OMPI_COMM_WORLD_SIZE).
+    latency:     Caramel's alpha: seconds per message of a ring step.
+    split_bytes: Caramel: gradients larger than this are reduced in pieces of about this size.
+    flops:       FLOP/s for estimating op times when there is no profile (Caramel's ready
+                 times; only the relation to the network matters).
     strict:      re-raise a failing pass instead of logging and keeping the graph (tests).
     report_dir:  if set, every run writes its report there as JSON.
     """
@@ -45,6 +55,11 @@ class Options:
     ps_devices: str = "/job:ps"
     profile: str = ""
     bandwidth: float = 125e6
+    allreduce: str = "none"
+    ranks: int = 0
+    latency: float = 50e-6
+    split_bytes: float = 64e6
+    flops: float = 2e10
     strict: bool = False
     report_dir: str = ""
 
@@ -99,6 +114,17 @@ def _as_int(name: str, value: Any) -> int:
     return number
 
 
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"option {name!r} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"option {name!r} must be a number, got {value!r}") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(f"option {name!r} must be finite, got {value!r}")
+    return number
+
 
 def _validate_ps_devices(value: str) -> str:
     specs = [spec.strip() for spec in value.split(",") if spec.strip()]
@@ -134,6 +160,20 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             value = str(value).lower()
             if value not in GATES:
                 raise ValueError(f"option 'gate' must be one of {GATES}, got {value!r}")
+        elif name == "allreduce":
+            value = str(value).lower()
+            if value not in ALLREDUCE_SCHEDULES:
+                raise ValueError(f"option 'allreduce' must be one of {ALLREDUCE_SCHEDULES}, "
+                                 f"got {value!r}")
+        elif name == "ranks":
+            value = _as_int(name, value)
+            if value < 0:
+                raise ValueError(f"option 'ranks' must be 0 (ask Horovod) or more, got {value}")
+        elif name in ("latency", "split_bytes", "flops"):
+            value = _as_float(name, value)
+            lowest = "non-negative" if name == "latency" else "positive"
+            if value < 0 or (name != "latency" and value == 0):
+                raise ValueError(f"option {name!r} must be {lowest}, got {value}")
         elif name == "window":
             value = _as_int(name, value)
             if value < 1:

@@ -109,6 +109,9 @@ def select_passes(options: Options) -> list[tuple[str, Pass]]:
     if options.schedule != "none":
         from tfoverlap.tictac_pass import tictac_pass
         passes.append(("tictac", tictac_pass))
+    if options.allreduce == "caramel":
+        from tfoverlap.caramel_pass import caramel_pass
+        passes.append(("caramel", caramel_pass))
     return passes
 
 

@@ -58,12 +58,13 @@ def strip_ordering_edges(graph_def):
 
 
 def add_ordering_edges(graph_def, edges: Iterable[tuple[str, str]],
-                       arrivals: Iterable[ArrivalNode] = ()):
+                       arrivals: Iterable[ArrivalNode] = (), marker: str = GATES_ATTR):
     """Returns (a copy of graph_def where each (before, after) makes ``after`` wait for
     ``before`` through a control input, number of edges added).
 
     ``arrivals`` are new gate nodes added first (edges may name them). An edge that already
-    exists as a control input is not added again (nor marked).
+    exists as a control input is not added again (nor marked). ``marker`` is the attr that
+    records the added edges (each pass its own, so one pass never strips another's).
     """
     wanted: dict[str, list[str]] = {}
     for before, after in edges:
@@ -87,6 +88,6 @@ def add_ordering_edges(graph_def, edges: Iterable[tuple[str, str]],
         if not new:
             continue
         node.input.extend("^" + gate for gate in new)
-        node.attr[GATES_ATTR].list.s.extend(gate.encode() for gate in new)
+        node.attr[marker].list.s.extend(gate.encode() for gate in new)
         added += len(new)
     return rewritten, added

@@ -114,12 +114,24 @@ def plan_buckets(sizes: Sequence[int], ready: Sequence[float], ranks: int, bandw
         bounds.append((choice[end], end))
         end = choice[end]
     bounds.reverse()
-    buckets = _launch([tuple(pieces[first:last]) for first, last in bounds], ready, ranks,
+    buckets = _launch([_joined(pieces[first:last]) for first, last in bounds], ready, ranks,
                       bandwidth, latency)
     fallback = horovod_default_buckets(sizes, ready, ranks, bandwidth, latency)
     if step_end(fallback, tails, threads) < step_end(buckets, tails, threads) * (1 - 1e-12):
         return fallback
     return buckets
+
+
+def _joined(pieces: Sequence[Piece]) -> tuple[Piece, ...]:
+    """Adjacent pieces of one gradient in one bucket travel as one piece."""
+    joined: list[Piece] = []
+    for piece in pieces:
+        last = joined[-1] if joined else None
+        if last and last.gradient == piece.gradient and last.offset + last.size == piece.offset:
+            joined[-1] = Piece(piece.gradient, last.offset, last.size + piece.size)
+        else:
+            joined.append(piece)
+    return tuple(joined)
 
 
 def _launch(groups, ready, ranks, bandwidth, latency) -> list[Bucket]:

@@ -1,0 +1,173 @@
+"""The Caramel pass: Horovod AllReduce training with a fixed backward order and planned buckets.
+
+On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
+``hvd.DistributedGradientTape`` leave once Grappler has folded their ``size() > 1`` cond):
+
+1. *Computation order.* The ops producing the gradients are chained by control edges in
+   the order a critical-path list schedule of the step runs them (an AllReduce counts its
+   ring time, so gradients with long transfers are produced early). The order is a linear
+   extension of the graph, so the chain never closes a cycle, and it is a function of the
+   graph alone, so every rank produces its gradients in the same order.
+2. *Buckets.* :func:`tfoverlap.caramel_plan.plan_allreduce` picks bucket boundaries with the
+   ring alpha-beta model and the expected ready times, splitting gradients larger than
+   ``split_bytes``; each bucket becomes one ``HorovodGroupedAllreduce``, issued when its
+   last input exists; each update reads only its own bucket.
+3. *Agreement.* Every bucket waits for a check that all ranks planned the same buckets; a
+   mismatch fails the step on every rank with a message naming the first difference.
+
+Ready times come from the profile when one is given, else from static estimates
+(:mod:`tfoverlap.op_estimates`). After the rewrite no plain ``HorovodAllreduce`` is left, so a
+second run changes nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+
+from tfoverlap.caramel_plan import is_planned_allreduce, plan_allreduce
+from tfoverlap.cost_model import load_profile
+from tfoverlap.graph_model import dtype_bytes
+from tfoverlap.passes import PassContext, PassResult
+from tfoverlap.rewriters.allreduce_grouping import (CHECK_LENGTH, GROUP_ATTRS, BucketPieces,
+                                                    add_plan_check, free_prefix,
+                                                    group_allreduces)
+from tfoverlap.rewriters.control_edges import add_ordering_edges
+
+__all__ = ["caramel_pass", "ORDER_ATTR", "resolve_ranks", "plan_digest", "plan_vector"]
+
+logger = logging.getLogger("tfoverlap")
+ORDER_ATTR = "_tfoverlap_caramel_order"
+_notes: set[str] = set()
+
+
+def _note_once(message: str) -> None:
+    if message not in _notes:
+        _notes.add(message)
+        logger.warning("tfoverlap: %s", message)
+
+
+def resolve_ranks(requested: int) -> int:
+    """``requested``, or the job's size: Horovod's if it is initialized in this process,
+    else the launcher's environment; 1 if nothing says."""
+    if requested:
+        return requested
+    horovod = sys.modules.get("horovod.tensorflow")
+    if horovod is not None:
+        try:
+            return int(horovod.size())
+        except (ValueError, RuntimeError):
+            pass
+    for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if os.environ.get(variable, "").isdigit():
+            return int(os.environ[variable])
+    return 1
+
+
+def _op_costs(graph_def, options) -> tuple[dict, dict, str]:
+    """(op seconds, known tensor sizes, where the times came from)."""
+    from tfoverlap.op_estimates import static_costs
+    sizes: dict = {}
+    try:
+        estimate = static_costs(graph_def, options.flops)
+        sizes = estimate.tensor_bytes
+    except Exception as error:  # noqa: BLE001 - any import failure: unit costs instead
+        _note_once(f"Caramel cannot estimate op times ({type(error).__name__}: {error}); "
+                   "it orders by graph structure with equal op costs")
+        estimate = None
+    if options.profile:
+        profile = load_profile(options.profile)
+        return dict(profile.op_seconds), sizes, "profile"
+    if estimate is None:
+        from tfoverlap.op_estimates import OP_OVERHEAD_SECONDS
+        return ({node.name: OP_OVERHEAD_SECONDS for node in graph_def.node}, sizes,
+                "unit costs")
+    return estimate.op_seconds, sizes, "static estimate"
+
+
+def _bucket_description(plan, names: list[str], bucket) -> list:
+    return [[names[p.gradient], p.offset, p.size] for p in bucket.pieces]
+
+
+def plan_vector(descriptions: list, settings: dict) -> list[int]:
+    """CHECK_LENGTH int32 values that differ between two plans if the plans differ: the
+    bucket count, one hash per bucket (the last slot hashes every bucket beyond and the
+    settings)."""
+    def digest(value) -> int:
+        text = json.dumps(value, sort_keys=True).encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:4], "big") & 0x7FFFFFFF
+
+    head = CHECK_LENGTH - 2
+    return ([len(descriptions) & 0x7FFFFFFF] + [digest(d) for d in descriptions[:head]]
+            + [0] * max(0, head - len(descriptions)) + [digest([descriptions[head:], settings])])
+
+
+def plan_digest(descriptions: list, settings: dict) -> str:
+    return hashlib.sha256(json.dumps([descriptions, settings], sort_keys=True).encode()
+                          ).hexdigest()[:16]
+
+
+def caramel_pass(graph_def, context: PassContext) -> PassResult:
+    options = context.options
+    if not any(is_planned_allreduce(node) for node in graph_def.node):
+        return PassResult(graph_def, False, {"allreduces": 0})
+    ranks = resolve_ranks(options.ranks)
+    threads = os.cpu_count() or 1
+    op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
+    plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth, options.latency,
+                          op_seconds, threads, options.split_bytes, tensor_sizes)
+    model = plan.model
+    names = [model.names[v] for v in plan.nodes]
+    # Pieces of each gradient in elements (the plan counts bytes).
+    node_defs = {node.name: node for node in graph_def.node}
+    piece_elements: dict[str, list[int]] = {}
+    piece_index: dict[tuple[int, int], int] = {}
+    for gradient, name in enumerate(names):
+        offsets = sorted({p.offset for b in plan.buckets for p in b.pieces
+                          if p.gradient == gradient})
+        for number, offset in enumerate(offsets):
+            piece_index[(gradient, offset)] = number
+        if len(offsets) > 1:
+            itemsize = dtype_bytes(node_defs[name].attr["T"].type)
+            bounds = offsets + [plan.sizes[gradient]]
+            piece_elements[name] = [(b - a) // itemsize for a, b in zip(bounds, bounds[1:])]
+    # A bucket whose members differ in dtype or reduction becomes several requests.
+    requests: list[BucketPieces] = []
+    for bucket in plan.buckets:
+        parts: dict[tuple, list] = {}
+        for piece in bucket.pieces:
+            node = node_defs[names[piece.gradient]]
+            key = tuple(node.attr[a].SerializeToString() if a in node.attr else b""
+                        for a in GROUP_ATTRS) + (node.device,)
+            parts.setdefault(key, []).append(
+                (names[piece.gradient], piece_index[(piece.gradient, piece.offset)]))
+        requests.extend(BucketPieces(tuple(members)) for members in parts.values())
+    prefix = free_prefix(graph_def)
+    rewritten = group_allreduces(graph_def, requests, piece_elements, prefix)
+    descriptions = [_bucket_description(plan, names, b) for b in plan.buckets]
+    settings = {"ranks": ranks, "bandwidth": options.bandwidth, "latency": options.latency,
+                "split_bytes": options.split_bytes}
+    digest = plan_digest(descriptions, settings)
+    first = descriptions[0][:3] if descriptions else []
+    message = (f"tfoverlap: the Horovod ranks planned different Caramel AllReduce buckets "
+               f"(this rank: plan {digest}, {len(descriptions)} buckets, the first starting "
+               f"with {first}). Every rank must run the same graph with the same tfoverlap "
+               "options (ranks, bandwidth, latency, profile). First differing plan entry "
+               f"(0 = bucket count, k = bucket k-1, {CHECK_LENGTH - 1} = the rest):")
+    grouped = [node.name for node in rewritten.node
+               if node.op == "HorovodGroupedAllreduce" and node.name.startswith(prefix)]
+    add_plan_check(rewritten, plan_vector(descriptions, settings), message, grouped,
+                   node_defs[names[0]].device, prefix)
+    producers = [model.names[p] for p in plan.producers]
+    rewritten, edges = add_ordering_edges(rewritten, zip(producers, producers[1:]),
+                                          marker=ORDER_ATTR)
+    return PassResult(rewritten, True, {
+        "allreduces": len(names), "buckets": len(plan.buckets), "requests": len(requests),
+        "bucket_bytes": [b.size for b in plan.buckets],
+        "split_gradients": sorted(piece_elements), "order_edges": edges,
+        "ranks": ranks, "ready_times_from": source, "plan_digest": digest,
+        "predicted_last_bucket_end_s": round(plan.buckets[-1].finish, 6)
+        if plan.buckets else 0.0})
+

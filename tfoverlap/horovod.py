@@ -1,0 +1,212 @@
+"""Drop-in Horovod wrappers that train with Caramel's schedule.
+
+``import tfoverlap.horovod as tfo_hvd`` and use ``tfo_hvd.DistributedOptimizer`` /
+``tfo_hvd.DistributedGradientTape`` where the program used Horovod's: same arguments, same
+results, with the backward order fixed and the gradients reduced in planned buckets.
+
+- *Graph mode* (``tf.compat.v1`` optimizers): the gradients are reduced by plain
+  ``HorovodAllreduce`` ops (Horovod's own wrapper hides them in a cond that only
+  Grappler folds), the Caramel pass is run on the graph as it stands and its rewrite is
+  applied to the graph in place (:mod:`tfoverlap.live_graph`). Sessions need no flag.
+- *TF2* (``tf.function`` training steps, Keras optimizers, the tape): Horovod's wrapper is
+  used as is and the TfOverlap optimizer is switched on for the ``tf.function`` graphs of
+  this thread (:func:`tfoverlap.enable_for_tf_function`), where Grappler has folded the cond.
+  Eagerly executed steps have no graph to schedule and run as plain Horovod.
+
+The network model (alpha, beta) is what :func:`configure` was given, else it is measured
+once with a few AllReduces of two sizes, and rank 0's measurement is used by every rank so
+that all ranks plan alike.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+__all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
+           "caramel_options"]
+
+logger = logging.getLogger("tfoverlap")
+_configured: dict = {}
+_measured: dict = {}
+
+
+def configure(**options) -> None:
+    """Options for the Caramel pass the wrappers run (see :class:`tfoverlap.options.Options`:
+    bandwidth, latency, split_bytes, flops, profile, ...). Validated here."""
+    from tfoverlap.options import parse_options
+    parse_options({**options, "allreduce": "caramel"})
+    _configured.clear()
+    _configured.update(options)
+
+
+def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
+                    repeats: int = 5) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of the ring AllReduce, fitted to the median times of
+    ``repeats`` AllReduces of two sizes; rank 0's values, broadcast to every rank."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    ranks = hvd.size()
+    if ranks < 2:
+        return 125e6, 50e-6
+
+    def timed(count: int, tag: str) -> float:
+        data = np.ones(count // 4, np.float32)
+        times = []
+        for repeat in range(repeats + 1):
+            began = time.perf_counter()
+            _run(lambda: hvd.allreduce(tf.constant(data), op=hvd.Sum,
+                                       name=f"tfoverlap_measure_{tag}_{repeat}"))
+            times.append(time.perf_counter() - began)
+        return float(np.median(times[1:]))
+
+    small, large = timed(small_bytes, "small"), timed(large_bytes, "large")
+    steps = 2 * (ranks - 1)
+    latency = max(small / steps, 1e-6)
+    bandwidth = steps / ranks * (large_bytes - small_bytes) / max(large - small, 1e-6)
+    agreed = _run(lambda: hvd.broadcast(tf.constant([bandwidth, latency], tf.float64), 0,
+                                        name="tfoverlap_measure_result"))
+    return float(agreed[0]), float(agreed[1])
+
+
+def _run(build):
+    """Runs the tensor ``build()`` makes: eagerly, or in a scratch graph and session."""
+    import tensorflow as tf
+    if tf.executing_eagerly():
+        return build().numpy()
+    with tf.Graph().as_default():
+        tensor = build()
+        with tf.compat.v1.Session() as session:
+            return session.run(tensor)
+
+
+def caramel_options() -> dict:
+    """The options the wrappers pass to the Caramel pass (measuring the network once if
+    neither bandwidth nor latency was configured)."""
+    options = {"allreduce": "caramel", "schedule": "none", **_configured}
+    if "bandwidth" not in options and "latency" not in options:
+        if not _measured:
+            bandwidth, latency = measure_network()
+            _measured.update(bandwidth=bandwidth, latency=latency)
+            logger.info("tfoverlap: measured AllReduce bandwidth %.3g B/s, latency %.3g s",
+                        bandwidth, latency)
+        options.update(_measured)
+    return options
+
+
+def _reduce_without_cond(grads, device_dense, device_sparse, compression, sparse_as_dense,
+                         op, gradient_predivide_factor, process_set):
+    """Horovod's gradient reduction as plain ops (what Horovod's cond holds)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    if op == hvd.Average and gradient_predivide_factor != 1.0:
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    else:
+        prescale = postscale = 1.0
+    reduced = []
+    for grad in grads:
+        if grad is None:
+            reduced.append(None)
+            continue
+        if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        reduced.append(hvd.allreduce(grad, device_dense=device_dense,
+                                     device_sparse=device_sparse, compression=compression,
+                                     op=op, prescale_factor=prescale,
+                                     postscale_factor=postscale, process_set=process_set))
+    return reduced
+
+
+def _schedule_in_place(graph) -> None:
+    """Runs the Caramel pass on ``graph`` as built so far and applies it in place."""
+    from tfoverlap.api import optimize
+    from tfoverlap.live_graph import apply_rewrite
+    before = graph.as_graph_def()
+    after, report = optimize(before, **caramel_options())
+    if report.modified:
+        apply_rewrite(graph, before, after)
+    logger.info("%s", report)
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
+                         device_sparse="", compression=None, sparse_as_dense=False,
+                         backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=None, scale_local_gradients=True):
+    """``hvd.DistributedOptimizer`` with Caramel's schedule (same arguments).
+
+    Explicit ``groups``, gradient accumulation (``backward_passes_per_step > 1``) and
+    Adasum keep Horovod's own reduction (Caramel's buckets would replace the first, and
+    the others reduce differently), with a warning.
+    """
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    compression = hvd.Compression.none if compression is None else compression
+    op = hvd.Average if op is None else op
+    process_set = hvd.global_process_set if process_set is None else process_set
+    wrapped = hvd.DistributedOptimizer(
+        optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
+        device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=backward_passes_per_step, op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+    unsupported = [reason for reason, present in (
+        ("explicit groups", groups is not None or num_groups),
+        ("backward_passes_per_step > 1", backward_passes_per_step > 1),
+        ("Adasum", op == hvd.Adasum)) if present]
+    if unsupported:
+        logger.warning("tfoverlap: %s: Horovod's own reduction is used, without Caramel",
+                       ", ".join(unsupported))
+        return wrapped
+    if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        _enable_for_functions()
+        return wrapped
+    if tf.executing_eagerly():
+        logger.warning("tfoverlap: a tf.compat.v1 optimizer run eagerly has no graph to "
+                       "schedule; plain Horovod is used")
+        return wrapped
+
+    def reduce_and_schedule(grads, variables=None, use_generic_names=False):
+        reduced = _reduce_without_cond(grads, device_dense, device_sparse, compression,
+                                       sparse_as_dense, op, gradient_predivide_factor,
+                                       process_set)
+        if process_set.size() < 2:
+            return reduced
+        # The rewrite re-points the consumers of each reduced tensor: these Identities.
+        reduced = [tf.identity(r) if isinstance(r, tf.Tensor) else r for r in reduced]
+        dense = [r for r in reduced if isinstance(r, tf.Tensor)]
+        if dense:
+            _schedule_in_place(dense[0].graph)
+        return reduced
+
+    wrapped._allreduce_grads = reduce_and_schedule  # noqa: SLF001 - Horovod's hook
+    return wrapped
+
+
+def _enable_for_functions() -> None:
+    from tfoverlap.config import enable_for_tf_function
+    enable_for_tf_function(**caramel_options())
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
+                            sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None, process_set=None,
+                            scale_local_gradients=True):
+    """``hvd.DistributedGradientTape`` with Caramel's schedule for ``tf.function`` steps
+    (same arguments)."""
+    import horovod.tensorflow as hvd
+    compression = hvd.Compression.none if compression is None else compression
+    op = hvd.Average if op is None else op
+    process_set = hvd.global_process_set if process_set is None else process_set
+    if groups is None and not num_groups:
+        _enable_for_functions()
+    else:
+        logger.warning("tfoverlap: explicit groups: Horovod's own reduction is used, "
+                       "without Caramel")
+    return hvd.DistributedGradientTape(
+        gradtape, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+        gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
