@@ -41,3 +41,12 @@ def run_python(code: str, timeout: float = 240):
     """Runs ``code`` in a fresh interpreter (for process-global TensorFlow state)."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def build_horovod_graph(script: str, path) -> None:
+    """Runs ``script`` (which writes a Horovod graph to argv[1]) as a one-rank Gloo job."""
+    import os
+    env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+    result = subprocess.run([sys.executable, "-c", script, str(path)], env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -11,7 +11,7 @@ from tfoverlap import cli
 from tfoverlap.cost_model import Profile, save_profile
 from tfoverlap.simulation import Scenario, SimulationError, predict
 from tfoverlap.testbed.models import chain_model
-from tests.helpers import local_config, traced_run
+from tests.helpers import build_horovod_graph, local_config, traced_run
 
 KERNEL_BYTES = 64 * 64 * 4
 LAYERS = 4
@@ -245,14 +245,6 @@ with graph.as_default():
 with open(sys.argv[1], "wb") as stream:
     stream.write(graph.as_graph_def().SerializeToString())
 """
-
-
-def build_horovod_graph(script: str, path) -> None:
-    """Runs ``script`` (which writes a Horovod graph to argv[1]) as a one-rank Gloo job."""
-    env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
-    result = subprocess.run([sys.executable, "-c", script, str(path)], env=env,
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_allreduce_graphs_use_the_ring_model(capsys, tmp_path):

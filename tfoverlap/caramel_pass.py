@@ -11,7 +11,8 @@ On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
 2. *Buckets.* :func:`tfoverlap.caramel_plan.plan_allreduce` picks bucket boundaries with the
    ring alpha-beta model and the expected ready times, splitting gradients larger than
    ``split_bytes``; each bucket becomes one ``HorovodGroupedAllreduce``, issued when its
-   last input exists; each update reads only its own bucket.
+   last input exists and the bucket before it is reduced (Horovod reduces one request at
+   a time anyway; this makes the order the plan's); each update reads only its own bucket.
 3. *Agreement.* Every bucket waits for a check that all ranks planned the same buckets; a
    mismatch fails the step on every rank with a message naming the first difference.
 
@@ -161,12 +162,16 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
     add_plan_check(rewritten, plan_vector(descriptions, settings), message, grouped,
                    node_defs[names[0]].device, prefix)
     producers = [model.names[p] for p in plan.producers]
-    rewritten, edges = add_ordering_edges(rewritten, zip(producers, producers[1:]),
-                                          marker=ORDER_ATTR)
+    # Requests are issued in plan order: each waits for the one before it. TensorFlow's
+    # executor would otherwise hand Horovod two ready buckets in either order.
+    rewritten, edges = add_ordering_edges(
+        rewritten, list(zip(producers, producers[1:])) + list(zip(grouped, grouped[1:])),
+        marker=ORDER_ATTR)
     return PassResult(rewritten, True, {
         "allreduces": len(names), "buckets": len(plan.buckets), "requests": len(requests),
         "bucket_bytes": [b.size for b in plan.buckets],
         "split_gradients": sorted(piece_elements), "order_edges": edges,
+        "gradient_order": producers,
         "ranks": ranks, "ready_times_from": source, "plan_digest": digest,
         "predicted_last_bucket_end_s": round(plan.buckets[-1].finish, 6)
         if plan.buckets else 0.0})

@@ -70,6 +70,20 @@ def _gradient_bytes(graph_def, model: GraphModel, node: int, succs,
     return total
 
 
+_FORWARDING_OPS = frozenset({"Identity", "IdentityN", "Snapshot"})
+
+
+def _computing_producer(model: GraphModel, node: int) -> int:
+    """The op that computes ``node``'s first input, looking through Identities (which
+    Grappler removes, together with any control edge on them)."""
+    producer = model.data_inputs[node][0][0]
+    for _ in range(16):
+        if model.ops[producer] not in _FORWARDING_OPS or not model.data_inputs[producer]:
+            break
+        producer = model.data_inputs[producer][0][0]
+    return producer
+
+
 def is_planned_allreduce(node_def) -> bool:
     """A HorovodAllreduce that Caramel may bucket (not one of its own plan-check ops)."""
     return node_def.op == ALLREDUCE_OP and CARAMEL_ATTR not in node_def.attr
@@ -115,7 +129,7 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
     schedule = simulate(problem)
     started = schedule.start
     nodes.sort(key=lambda v: (started[v], position[v]))
-    producers = list(dict.fromkeys(model.data_inputs[v][0][0] for v in nodes
+    producers = list(dict.fromkeys(_computing_producer(model, v) for v in nodes
                                    if model.data_inputs[v]))
     producers.sort(key=lambda p: (started[p], position[p]))
     return GradientTimes(model=model, nodes=nodes, sizes=[sizes_by_node[v] for v in nodes],

@@ -30,6 +30,7 @@ __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "meas
 logger = logging.getLogger("tfoverlap")
 _configured: dict = {}
 _measured: dict = {}
+reports: list = []      # what the graph-mode wrapper's rewrites did, oldest first
 
 
 def configure(**options) -> None:
@@ -126,6 +127,7 @@ def _schedule_in_place(graph) -> None:
     after, report = optimize(before, **caramel_options())
     if report.modified:
         apply_rewrite(graph, before, after)
+    reports.append(report)
     logger.info("%s", report)
 
 

@@ -1,16 +1,20 @@
-"""A Horovod training job for the Caramel tests: prints each step's loss as JSON.
+"""A Horovod training job for the Caramel tests: prints each variant's losses as JSON.
 
-argv: MODE (graph | tf2) VARIANT (horovod | flag | dropin) STEPS [TIMELINE_STEP]
-Every rank trains the same small conv + dense model from the same initial weights on
-its own data (seeded by rank), so the losses depend on the reduction being right.
+argv: MODE (graph | tf2) STEPS VARIANT... with VARIANT one of horovod (plain Horovod),
+flag (the session config / tf.function flag) and dropin (tfoverlap.horovod's wrappers).
+Every rank trains the same small conv + dense model from the same initial weights on its
+own data (seeded by rank), so the losses depend on the reduction being right. Graph-mode
+runs trace every step and report the order in which the gradient producers started.
+CARAMEL_TEST_MODEL=parallel trains independent branches instead of a chain of layers.
 """
 import json
+import os
 import sys
 
 import numpy as np
 import tensorflow as tf
 
-mode, variant, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+mode, steps, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 if mode == "graph":
     tf.compat.v1.disable_eager_execution()
 import horovod.tensorflow as hvd  # noqa: E402
@@ -19,12 +23,15 @@ import tfoverlap  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 
 hvd.init()
-OPTIONS = dict(bandwidth="1Gbit", latency=50e-6, split_bytes=150_000, flops=2e8)
-if variant == "dropin":
-    tfo_hvd.configure(**OPTIONS)
-distributed = tfo_hvd if variant == "dropin" else hvd
+# CARAMEL_TEST_RANK1_BANDWIDTH gives rank 1 other options than the rest (a plan mismatch).
+BANDWIDTH = os.environ.get("CARAMEL_TEST_RANK1_BANDWIDTH") if hvd.rank() == 1 else None
+OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6, flops=2e8)
+tfo_hvd.configure(**OPTIONS)
+PARALLEL = os.environ.get("CARAMEL_TEST_MODEL") == "parallel"
+BRANCHES = 8
 rng = np.random.default_rng(7)
-shapes = [(3, 3, 3, 16), (3, 3, 16, 32), (8 * 8 * 32, 256), (256, 10)]
+shapes = ([(16 * 16 * 3, 128)] * BRANCHES + [(128 * BRANCHES, 10)] if PARALLEL else
+          [(3, 3, 3, 16), (3, 3, 16, 32), (8 * 8 * 32, 256), (256, 10)])
 initial = [rng.normal(0, 0.1, s).astype(np.float32) for s in shapes]
 data_rng = np.random.default_rng(100 + hvd.rank())
 images = data_rng.normal(size=(steps, 16, 16, 16, 3)).astype(np.float32)
@@ -32,6 +39,11 @@ labels = data_rng.integers(0, 10, size=(steps, 16))
 
 
 def forward(weights, x, y):
+    if PARALLEL:    # independent branches: their gradients have no order of their own
+        flat = tf.reshape(x, [16, -1])
+        h = tf.concat([tf.nn.relu(tf.matmul(flat, w)) for w in weights[:-1]], axis=1)
+        logits = tf.matmul(h, weights[-1])
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
     h = tf.nn.relu(tf.nn.conv2d(x, weights[0], 1, "SAME"))
     h = tf.nn.max_pool2d(tf.nn.relu(tf.nn.conv2d(h, weights[1], 1, "SAME")), 2, 2, "SAME")
     h = tf.nn.relu(tf.matmul(tf.reshape(h, [-1, 8 * 8 * 32]), weights[2]))
@@ -39,28 +51,46 @@ def forward(weights, x, y):
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
 
-losses = []
-if mode == "graph":
-    weights = [tf.compat.v1.get_variable(f"w{i}", initializer=w, use_resource=True)
-               for i, w in enumerate(initial)]
-    x = tf.compat.v1.placeholder(tf.float32, [16, 16, 16, 3])
-    y = tf.compat.v1.placeholder(tf.int64, [16])
-    loss = forward(weights, x, y)
-    optimizer = distributed.DistributedOptimizer(
-        tf.compat.v1.train.MomentumOptimizer(0.05, 0.9))
-    train = optimizer.minimize(loss)
+def caramel_summaries():
+    reports = [r for r in tfoverlap.plugin.recent_reports() if r.modified] + tfo_hvd.reports
+    return [p.summary for r in reports for p in r.passes if p.name == "caramel"]
+
+
+def train_graph(variant):
+    graph = tf.Graph()
+    with graph.as_default():
+        weights = [tf.compat.v1.get_variable(f"w{i}", initializer=w, use_resource=True)
+                   for i, w in enumerate(initial)]
+        x = tf.compat.v1.placeholder(tf.float32, [16, 16, 16, 3])
+        y = tf.compat.v1.placeholder(tf.int64, [16])
+        loss = forward(weights, x, y)
+        distributed = tfo_hvd if variant == "dropin" else hvd
+        optimizer = distributed.DistributedOptimizer(
+            tf.compat.v1.train.MomentumOptimizer(0.05, 0.9))
+        train = optimizer.minimize(loss)
+        init = tf.compat.v1.global_variables_initializer()
     config = (tfoverlap.session_config(allreduce="caramel", schedule="none", **OPTIONS)
               if variant == "flag" else None)
-    with tf.compat.v1.Session(config=config) as session:
-        session.run(tf.compat.v1.global_variables_initializer())
+    losses, started = [], []
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run(init)
         for step in range(steps):
-            value, _ = session.run([loss, train], {x: images[step], y: labels[step]})
+            metadata = tf.compat.v1.RunMetadata()
+            options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+            value, _ = session.run([loss, train], {x: images[step], y: labels[step]},
+                                   options=options, run_metadata=metadata)
             losses.append(float(value))
-else:
+            started.append({n.node_name: n.all_start_micros
+                            for d in metadata.step_stats.dev_stats for n in d.node_stats})
+    return losses, started
+
+
+def train_tf2(variant):
     if variant == "flag":
         tfoverlap.enable_for_tf_function(allreduce="caramel", schedule="none", **OPTIONS)
     weights = [tf.Variable(w) for w in initial]
     optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    distributed = tfo_hvd if variant == "dropin" else hvd
 
     @tf.function
     def train_step(x, y):
@@ -71,12 +101,20 @@ else:
         optimizer.apply_gradients(zip(gradients, weights))
         return loss
 
-    for step in range(steps):
-        losses.append(float(train_step(images[step], labels[step])))
-# Where the rewrite happened: Grappler's reports, or the graph itself (graph-mode drop-in).
-reports = [r.to_dict() for r in tfoverlap.plugin.recent_reports() if r.modified]
-caramel = [p["summary"] for r in reports for p in r["passes"] if p["name"] == "caramel"]
-grouped = (sum(op.type == "HorovodGroupedAllreduce" for op in tf.compat.v1.get_default_graph()
-               .get_operations()) if mode == "graph" else 0)
-print(json.dumps({"rank": hvd.rank(), "losses": losses, "grappler_rewrites": caramel,
-                  "grouped_in_graph": grouped}), flush=True)
+    return [float(train_step(images[s], labels[s])) for s in range(steps)], []
+
+
+for variant in variants:
+    before = len(caramel_summaries())
+    losses, started = (train_graph if mode == "graph" else train_tf2)(variant)
+    new = caramel_summaries()[before:]
+    plan = new[-1] if new else None
+    # The order the planned gradient producers (or, for plain Horovod, the same ops as
+    # Caramel would order) started in, every step.
+    order = (plan or {}).get("gradient_order") or [
+        name for name in (started[0] if started else {})
+        if "_grad/MatMul_1" in name or "Conv2DBackpropFilter" in name]
+    observed = [sorted((n for n in order if n in times), key=lambda n: times[n])
+                for times in started]
+    print(json.dumps({"rank": hvd.rank(), "variant": variant, "losses": losses,
+                      "plan": plan, "observed_orders": observed}), flush=True)

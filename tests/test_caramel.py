@@ -1,0 +1,282 @@
+"""The Caramel pass and the Horovod drop-ins: the rewrite's shape, and real Horovod jobs
+(2 and 4 ranks, Gloo and MPI, graph mode and TF2) that must train exactly like Horovod."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import tfoverlap
+from tfoverlap.caramel_pass import ORDER_ATTR
+from tfoverlap.graph_model import GraphModel, verify_graph_def
+from tfoverlap.testbed.horovod import run_horovod
+from tfoverlap.testbed.network import EmulatedNetwork
+from tests.helpers import build_horovod_graph, run_python
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "caramel_training.py")
+IS_ROOT = os.geteuid() == 0
+
+_BRANCHES = """
+import sys
+import horovod.tensorflow as hvd
+import tensorflow as tf
+hvd.init()
+graph = tf.Graph()
+with graph.as_default():
+    weights = [tf.compat.v1.get_variable(f"w{i}", [256, 256], use_resource=True)
+               for i in range(6)] + [tf.compat.v1.get_variable("big", [256, 2048],
+                                                               use_resource=True)]
+    hidden = tf.ones([64, 256])
+    for weight in weights[:6]:
+        hidden = tf.nn.relu(tf.matmul(hidden, weight))
+    loss = tf.reduce_sum(tf.matmul(hidden, weights[6]))
+    gradients = tf.gradients(loss, weights)
+    train = tf.group(*[w.assign_sub(0.01 * hvd.allreduce(g, op=hvd.Average))
+                       for w, g in zip(weights, gradients)], name="train")
+with open(sys.argv[1], "wb") as stream:
+    stream.write(graph.as_graph_def().SerializeToString())
+"""
+
+
+@pytest.fixture(scope="module")
+def horovod_graph(tmp_path_factory):
+    import tensorflow as tf
+    path = tmp_path_factory.mktemp("caramel") / "chain.pb"
+    build_horovod_graph(_BRANCHES, path)
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.ParseFromString(path.read_bytes())
+    return graph_def
+
+
+def _rewrite(graph_def, **options):
+    options = {"allreduce": "caramel", "schedule": "none", "ranks": 4, "bandwidth": "1Gbit",
+               "flops": 1e9, "strict": True, **options}
+    return tfoverlap.optimize(graph_def, fetch=["train"], **options)
+
+
+def test_every_gradient_lands_in_one_bucket_and_updates_wait_only_for_their_own(
+        horovod_graph):
+    rewritten, report = _rewrite(horovod_graph)
+    summary = report.passes[0].summary
+    assert report.modified and summary["allreduces"] == 7 and summary["buckets"] >= 2
+    verify_graph_def(rewritten, ["train"])
+    ops = [node.op for node in rewritten.node]
+    grouped = [n for n in rewritten.node if n.op == "HorovodGroupedAllreduce"]
+    assert sum(n.attr["num_tensors"].i for n in grouped) == 7
+    assert ops.count("HorovodAllreduce") == 2            # only the plan check's two
+    model = GraphModel.from_graph_def(rewritten)
+    for node in rewritten.node:
+        if node.op == "AssignSubVariableOp":
+            # Walk back from the update: it reaches exactly one bucket.
+            seen, stack, buckets = set(), [model.index[node.name]], set()
+            while stack:
+                current = stack.pop()
+                for producer, _ in model.data_inputs[current]:
+                    if producer not in seen:
+                        seen.add(producer)
+                        if model.ops[producer] == "HorovodGroupedAllreduce":
+                            buckets.add(producer)
+                        else:
+                            stack.append(producer)
+            assert len(buckets) == 1, node.name
+    # Every bucket waits for the rank agreement check.
+    assert all(any(t.endswith("plan_check/assert") for t in n.input) for n in grouped)
+
+
+def test_backward_order_edges_chain_the_gradient_producers(horovod_graph):
+    rewritten, report = _rewrite(horovod_graph)
+    summary = report.passes[0].summary
+    order = summary["gradient_order"]
+    assert len(order) == 7 and summary["order_edges"] == 6 + summary["requests"] - 1
+    nodes = {n.name: n for n in rewritten.node}
+    for before, after in zip(order, order[1:]):
+        assert "^" + before in nodes[after].input
+        assert [s.decode() for s in nodes[after].attr[ORDER_ATTR].list.s] == [before]
+    for number in range(1, summary["requests"]):
+        assert f"^tfoverlap/caramel/bucket_{number - 1}" in nodes[
+            f"tfoverlap/caramel/bucket_{number}"].input
+
+
+def test_the_rewrite_is_idempotent_and_survives_tictac(horovod_graph):
+    rewritten, first = _rewrite(horovod_graph)
+    again, report = _rewrite(rewritten, schedule="tic")
+    assert not report.modified and again is rewritten
+    edges = sum(len(n.attr[ORDER_ATTR].list.s) for n in rewritten.node if ORDER_ATTR in n.attr)
+    assert edges == first.passes[0].summary["order_edges"] >= 6
+
+
+def test_plans_depend_on_the_network(horovod_graph):
+    """Per-message latency far above everything else: one bucket; no latency and a link
+    about as slow as the compute: several, so that reduction overlaps the backward pass."""
+    costly_messages = _rewrite(horovod_graph, latency=1.0)[1].passes[0].summary
+    overlapping = _rewrite(horovod_graph, latency=0.0, bandwidth="100Mbit")[1].passes[0].summary
+    assert costly_messages["buckets"] == 1
+    assert overlapping["buckets"] >= 3
+    assert costly_messages["plan_digest"] != overlapping["plan_digest"]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"allreduce": "fastest"}, "option 'allreduce'"),
+    ({"latency": -1}, "option 'latency'"),
+    ({"split_bytes": 0}, "option 'split_bytes'"),
+    ({"ranks": -2}, "option 'ranks'"),
+    ({"flops": "many"}, "option 'flops'"),
+])
+def test_bad_caramel_options_are_named(horovod_graph, options, message):
+    with pytest.raises(ValueError, match=message):
+        _rewrite(horovod_graph, **options)
+
+
+def test_split_gradients_are_reassembled_exactly(tmp_path):
+    """A gradient cut in three pieces over two buckets reduces to the same values
+    (one rank: the reduction is the identity, so the result must equal the input)."""
+    path = tmp_path / "graph.pb"
+    build_horovod_graph(_BRANCHES, path)
+    result = run_python(f"""
+import numpy as np, tensorflow as tf
+import horovod.tensorflow as hvd
+from tfoverlap.rewriters.allreduce_grouping import BucketPieces, group_allreduces
+hvd.init()
+graph_def = tf.compat.v1.GraphDef()
+graph_def.ParseFromString(open({str(path)!r}, "rb").read())
+names = [n.name for n in graph_def.node if n.op == "HorovodAllreduce"]
+big = next(n for n in names if "MatMul_6" in n)
+others = [n for n in names if n != big]
+buckets = [BucketPieces(tuple((n, 0) for n in others[:3]) + ((big, 0), (big, 1))),
+           BucketPieces(((big, 2),) + tuple((n, 0) for n in others[3:]))]
+rewritten = group_allreduces(graph_def, buckets, {{big: [100_000, 200_000, 224_288]}})
+gradient = next(n.input[0] for n in graph_def.node if n.name == big)
+gradient = gradient if ":" in gradient else gradient + ":0"
+restored = next(n.name for n in rewritten.node if n.name.endswith("/restored"))
+graph = tf.Graph()
+with graph.as_default():
+    tf.graph_util.import_graph_def(rewritten, name="")
+with tf.compat.v1.Session(graph=graph) as session:
+    session.run([op.name for op in graph.get_operations() if op.type == "AssignVariableOp"])
+    raw, reduced = session.run([gradient, restored + ":0"])
+print("EQUAL" if raw.shape == reduced.shape == (256, 2048) and np.array_equal(raw, reduced)
+      else "DIFF")
+""")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "EQUAL" in result.stdout
+
+
+# ------------------------------------------------------------------ real Horovod jobs
+def _job(network, ranks, controller, argv, env=None, timeout=420):
+    result = run_horovod(network, ranks, [sys.executable, JOB] + argv, controller=controller,
+                         env=env, timeout=timeout)
+    return result
+
+
+def _reports(result, ranks):
+    assert result.returncode == 0, [o[-3000:] for o in result.outputs]
+    reports = {}
+    for rank, output in enumerate(result.outputs):
+        for line in output.splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                reports[(record["rank"], record["variant"])] = record
+    assert {rank for rank, _ in reports} == set(range(ranks)), result.outputs
+    return reports
+
+
+@pytest.fixture(scope="module")
+def network():
+    with EmulatedNetwork(4, bandwidth=1.25e9) as emulated:
+        yield emulated
+
+
+@pytest.mark.parametrize("ranks, controller, variants", [
+    (2, "gloo", ["horovod", "flag", "dropin"]),
+    (2, "mpi", ["horovod", "dropin"]),
+    (4, "gloo", ["horovod", "dropin"]),
+    (4, "mpi", ["horovod", "flag"]),
+])
+@pytest.mark.parametrize("mode", ["graph", "tf2"])
+def test_caramel_trains_exactly_like_horovod(network, ranks, controller, variants, mode):
+    reports = _reports(_job(network, ranks, controller, [mode, "4"] + variants), ranks)
+    for rank in range(ranks):
+        plain = reports[(rank, "horovod")]["losses"]
+        assert len(plain) == 4 and np.isfinite(plain).all()
+        for variant in variants[1:]:
+            record = reports[(rank, variant)]
+            assert record["plan"] and record["plan"]["ranks"] == ranks, record
+            np.testing.assert_allclose(record["losses"], plain, rtol=1e-5,
+                                       err_msg=f"rank {rank} {variant}")
+    # Each rank trains on its own data: the losses differ between ranks, and still all
+    # ranks planned the same buckets.
+    digests = {reports[(r, variants[1])]["plan"]["plan_digest"] for r in range(ranks)}
+    assert len(digests) == 1
+
+
+def test_backward_order_is_fixed_and_the_same_on_every_rank(network):
+    """Eight independent branches: plain Horovod's gradient order changes from step to
+    step; with Caramel (flag or drop-in) every traced step on every rank follows the plan."""
+    env = {"CARAMEL_TEST_MODEL": "parallel"}
+    reports = _reports(_job(network, 2, "gloo", ["graph", "5", "horovod", "flag", "dropin"],
+                            env=env), 2)
+    for variant in ("flag", "dropin"):
+        plans = {tuple(reports[(r, variant)]["plan"]["gradient_order"]) for r in (0, 1)}
+        assert len(plans) == 1
+        plan = list(plans.pop())
+        assert len(plan) == 9
+        for rank in (0, 1):
+            assert reports[(rank, variant)]["observed_orders"] == [plan] * 5
+    plain = [tuple(o) for r in (0, 1) for o in reports[(r, "horovod")]["observed_orders"]]
+    assert len(set(plain)) > 1, "plain Horovod's order never varied: the test shows nothing"
+
+
+def test_buckets_and_their_order_show_in_horovods_timeline(network, tmp_path):
+    timeline = tmp_path / "timeline.json"
+    env = {"HOROVOD_TIMELINE": str(timeline), "CARAMEL_TEST_MODEL": "parallel",
+           "HOROVOD_DISABLE_GROUP_FUSION": "1"}
+    reports = _reports(_job(network, 2, "gloo", ["graph", "3", "flag"], env=env), 2)
+    plan = reports[(0, "flag")]["plan"]
+    rows = _timeline_rows(timeline.read_text())
+    requests = sorted({name.rsplit("_", 1)[0] for name in rows if "/bucket_" in name},
+                      key=lambda n: int(n.rsplit("_", 1)[1]))
+    assert len(requests) == plan["requests"] >= 2
+    for step in range(3):
+        starts = []
+        for request in requests:
+            members = [n for n in rows if n.rsplit("_", 1)[0] == request]
+            # One request: Horovod stamps its tensors one after another, microseconds apart.
+            begins = [rows[m]["starts"][step] for m in members]
+            assert max(begins) - min(begins) < 500, f"{request} was not reduced as one request"
+            starts.append(min(begins))
+            count = int(members[0].rsplit("of", 1)[1])
+            assert len(members) == count
+        assert starts == sorted(starts), f"step {step}: buckets out of plan order"
+    sizes = [sum(rows[n]["bytes"] for n in rows if n.rsplit("_", 1)[0] == request)
+             for request in requests]
+    assert sizes == plan["bucket_bytes"]
+
+
+def _timeline_rows(text: str) -> dict:
+    """Horovod's timeline: per tensor, the begin times of its ALLREDUCE phases and bytes."""
+    events = json.loads(text.rstrip().rstrip(",") + ("" if text.rstrip().endswith("]")
+                                                     else "]"))
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    rows = {name: {"starts": [], "bytes": 0} for name in names.values()}
+    for event in events:
+        name = names.get(event.get("pid"))
+        if name is None:
+            continue
+        if event.get("ph") == "B" and event.get("name") == "ALLREDUCE":
+            rows[name]["starts"].append(event["ts"])
+        args = event.get("args", {})
+        if event.get("ph") == "E" and "shape" in args and not rows[name]["bytes"]:
+            dims = [int(d) for d in args["shape"].strip("[]").split(",") if d.strip()]
+            rows[name]["bytes"] = 4 * int(np.prod(dims)) if dims else 4
+    return rows
+
+
+def test_ranks_with_different_plans_fail_with_a_clear_error(network):
+    env = {"CARAMEL_TEST_RANK1_BANDWIDTH": "10Mbit"}
+    result = _job(network, 2, "gloo", ["graph", "2", "flag"], env=env, timeout=180)
+    assert result.returncode != 0
+    for output in result.outputs:
+        assert "planned different Caramel AllReduce buckets" in output, output[-3000:]
+
