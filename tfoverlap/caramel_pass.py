@@ -67,6 +67,17 @@ def resolve_ranks(requested: int) -> int:
     return 1
 
 
+def request_latency(latency: float, ranks: int) -> float:
+    """The alpha to plan with: the ring's per-step latency plus Horovod's cycle, spread over
+    the ring's 2 (n-1) steps. Each bucket waits for the one before it, so it is announced
+    just after a cycle began and waits about one cycle (HOROVOD_CYCLE_TIME, ms) to start."""
+    try:
+        cycle = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1e3
+    except ValueError:
+        cycle = 1e-3
+    return latency + (cycle / (2 * (ranks - 1)) if ranks > 1 else 0.0)
+
+
 def _op_costs(graph_def, options) -> tuple[dict, dict, str]:
     """(op seconds, known tensor sizes, where the times came from)."""
     from tfoverlap.op_estimates import static_costs
@@ -117,8 +128,9 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
     ranks = resolve_ranks(options.ranks)
     threads = os.cpu_count() or 1
     op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
-    plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth, options.latency,
-                          op_seconds, threads, options.split_bytes, tensor_sizes)
+    plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth,
+                          request_latency(options.latency, ranks), op_seconds, threads,
+                          options.split_bytes, tensor_sizes)
     model = plan.model
     names = [model.names[v] for v in plan.nodes]
     # Pieces of each gradient in elements (the plan counts bytes).

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
-           "caramel_options"]
+           "network_model", "caramel_options"]
 
 logger = logging.getLogger("tfoverlap")
 _configured: dict = {}
@@ -45,41 +45,57 @@ def configure(**options) -> None:
 def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
                     repeats: int = 5) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of the ring AllReduce, fitted to the median times of
-    ``repeats`` AllReduces of two sizes; rank 0's values, broadcast to every rank."""
+    ``repeats`` AllReduces of two sizes; rank 0's values, broadcast to every rank. The
+    latency includes Horovod's per-request cost (negotiation, its cycle)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
     ranks = hvd.size()
     if ranks < 2:
         return 125e6, 50e-6
-
-    def timed(count: int, tag: str) -> float:
-        data = np.ones(count // 4, np.float32)
-        times = []
-        for repeat in range(repeats + 1):
-            began = time.perf_counter()
-            _run(lambda: hvd.allreduce(tf.constant(data), op=hvd.Sum,
-                                       name=f"tfoverlap_measure_{tag}_{repeat}"))
-            times.append(time.perf_counter() - began)
-        return float(np.median(times[1:]))
-
-    small, large = timed(small_bytes, "small"), timed(large_bytes, "large")
     steps = 2 * (ranks - 1)
-    latency = max(small / steps, 1e-6)
-    bandwidth = steps / ranks * (large_bytes - small_bytes) / max(large - small, 1e-6)
-    agreed = _run(lambda: hvd.broadcast(tf.constant([bandwidth, latency], tf.float64), 0,
-                                        name="tfoverlap_measure_result"))
-    return float(agreed[0]), float(agreed[1])
 
+    def measure(run_small, run_large, agree):
+        timed = []
+        for run in (run_small, run_large):
+            times = []
+            for _ in range(repeats + 1):
+                began = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - began)
+            timed.append(float(np.median(times[1:])))
+        small, large = timed
+        latency = max(small / steps, 1e-6)
+        bandwidth = steps / ranks * (large_bytes - small_bytes) / max(large - small, 1e-6)
+        return agree(np.array([bandwidth, latency]))
 
-def _run(build):
-    """Runs the tensor ``build()`` makes: eagerly, or in a scratch graph and session."""
-    import tensorflow as tf
+    small = np.ones(small_bytes // 4, np.float32)
+    large = np.ones(large_bytes // 4, np.float32)
     if tf.executing_eagerly():
-        return build().numpy()
-    with tf.Graph().as_default():
-        tensor = build()
-        with tf.compat.v1.Session() as session:
-            return session.run(tensor)
+        result = measure(
+            lambda: hvd.allreduce(tf.constant(small), op=hvd.Sum, name="tfoverlap_measure_s"),
+            lambda: hvd.allreduce(tf.constant(large), op=hvd.Sum, name="tfoverlap_measure_l"),
+            lambda values: hvd.broadcast(tf.constant(values), 0,
+                                         name="tfoverlap_measure_result").numpy())
+    else:
+        # Fed, not constant: Grappler would fold (run) an AllReduce of constants once, at
+        # optimization time.
+        with tf.Graph().as_default() as graph:
+            inputs = [tf.compat.v1.placeholder(tf.float32, data.shape) for data in (small, large)]
+            small_op, large_op = (tf.reduce_sum(hvd.allreduce(tensor, op=hvd.Sum, name=name))
+                                  for tensor, name in zip(inputs, ("tfoverlap_measure_s",
+                                                                   "tfoverlap_measure_l")))
+            values = tf.compat.v1.placeholder(tf.float64, [2])
+            agreed = hvd.broadcast(values, 0, name="tfoverlap_measure_result")
+        with tf.compat.v1.Session(graph=graph) as session:
+            result = measure(lambda: session.run(small_op, {inputs[0]: small}),
+                             lambda: session.run(large_op, {inputs[1]: large}),
+                             lambda found: session.run(agreed, {values: found}))
+    return float(result[0]), float(result[1])
+
+
+def network_model() -> dict:
+    """The bandwidth and latency the wrappers plan with (configured or measured)."""
+    return {key: _configured.get(key, _measured.get(key)) for key in ("bandwidth", "latency")}
 
 
 def caramel_options() -> dict:

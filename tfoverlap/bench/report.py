@@ -40,13 +40,14 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_speedups(rows: list[dict], path: str) -> None:
-    """Grouped bars: speed-up over TensorFlow's default per configuration and variant."""
+def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
+                  ylabel: str = "speed-up over TF default") -> None:
+    """Grouped bars: speed-up over ``baseline`` per configuration (model, mode) and variant."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     configurations = list(dict.fromkeys((row["model"], row["mode"]) for row in rows))
-    variants = [v for v in dict.fromkeys(row["variant"] for row in rows) if v != "default"]
+    variants = [v for v in dict.fromkeys(row["variant"] for row in rows) if v != baseline]
     width = 0.8 / max(1, len(variants))
     figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(configurations) + 2), 4))
     for index, variant in enumerate(variants):
@@ -64,8 +65,8 @@ def plot_speedups(rows: list[dict], path: str) -> None:
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks(range(len(configurations)))
     axes.set_xticklabels([f"{model}\n{mode}" for model, mode in configurations])
-    axes.set_ylabel("speed-up over TF default")
-    top = max((row["ci_high"] for row in rows if row["variant"] != "default"), default=1.0)
+    axes.set_ylabel(ylabel)
+    top = max((row["ci_high"] for row in rows if row["variant"] != baseline), default=1.0)
     axes.set_ylim(0, top * 1.2)
     axes.legend(loc="upper right", fontsize="small", ncol=len(variants))
     figure.tight_layout()

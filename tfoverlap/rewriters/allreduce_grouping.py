@@ -204,11 +204,28 @@ def add_plan_check(graph_def, vector: Sequence[int], message: str, gated: Sequen
     if len(vector) != CHECK_LENGTH:
         raise ValueError(f"the plan check needs {CHECK_LENGTH} values, got {len(vector)}")
     scope = prefix + "plan_check/"
+    # Grappler's constant folding would run an AllReduce of constants at optimization
+    # time, on each rank on its own; a zero drawn from a stateful op keeps it in the step.
+    _const(graph_def, scope + "scalar_shape", device, _INT32, [], shape=[0])
+    draw = _node(graph_def, scope + "draw", "RandomUniform", [scope + "scalar_shape"], device)
+    draw.attr["dtype"].type = 1
+    draw.attr["T"].type = _INT32
+    draw.attr["seed"].i = 0
+    draw.attr["seed2"].i = 0
+    floor = _node(graph_def, scope + "zero_float", "Floor", [draw.name], device)
+    floor.attr["T"].type = 1
+    zero = _node(graph_def, scope + "zero", "Cast", [floor.name], device)
+    zero.attr["SrcT"].type = 1
+    zero.attr["DstT"].type = _INT32
+    zero.attr["Truncate"].b = False
+    _const(graph_def, scope + "plan", device, _INT32, list(vector))
+    local = _node(graph_def, scope + "local", "AddV2", [scope + "plan", zero.name], device)
+    local.attr["T"].type = _INT32
+    negated = _node(graph_def, scope + "local_neg", "Neg", [local.name], device)
+    negated.attr["T"].type = _INT32
     reduced = []
-    for label, values in (("max", list(vector)), ("neg_max", [-v for v in vector])):
-        _const(graph_def, scope + label + "_local", device, _INT32, values)
-        node = _node(graph_def, scope + label, "HorovodAllreduce", [scope + label + "_local"],
-                     device)
+    for label, source in (("max", local.name), ("neg_max", negated.name)):
+        node = _node(graph_def, scope + label, "HorovodAllreduce", [source], device)
         node.attr["T"].type = _INT32
         node.attr["reduce_op"].i = _MAX
         node.attr["prescale_factor"].f = 1.0

@@ -10,11 +10,11 @@ import dataclasses
 from typing import Sequence
 
 __all__ = ["PsModel", "MODEL_NAMES", "chain_model", "parallel_model", "keras_model",
-           "build_model"]
+           "transformer_model", "build_model"]
 
 KERAS_APPLICATIONS = {"resnet50": "ResNet50", "inception_v3": "InceptionV3",
                       "vgg16": "VGG16", "resnet152": "ResNet152"}
-MODEL_NAMES = ("seq32", "par32") + tuple(KERAS_APPLICATIONS)
+MODEL_NAMES = ("seq32", "par32") + tuple(KERAS_APPLICATIONS) + ("transformer",)
 
 
 @dataclasses.dataclass
@@ -47,14 +47,20 @@ def _ps_devices(num_ps: int, ps_devices: Sequence[str] | None,
     return [f"/job:ps/task:{task}" for task in range(num_ps)]
 
 
-def _finish(graph, device, loss, variables, training: bool, learning_rate: float) -> PsModel:
-    """Adds the training op (on ``device``, a name or a device function) and the init op."""
+def _finish(graph, device, loss, variables, training: bool, learning_rate: float,
+            wrap_optimizer=None) -> PsModel:
+    """Adds the training op (on ``device``, a name or a device function) and the init op.
+
+    ``wrap_optimizer`` turns the plain SGD optimizer into the one that trains (a Horovod
+    ``DistributedOptimizer``, for example)."""
     import tensorflow as tf
     with graph.as_default(), tf.compat.v1.device(device):
         train_op = None
         if training:
-            train_op = tf.compat.v1.train.GradientDescentOptimizer(learning_rate).minimize(
-                loss, var_list=variables)
+            optimizer = tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
+            if wrap_optimizer is not None:
+                optimizer = wrap_optimizer(optimizer)
+            train_op = optimizer.minimize(loss, var_list=variables)
         init = tf.compat.v1.global_variables_initializer()
     return PsModel(graph=graph, init=init, loss=loss, train_op=train_op, variables=variables)
 
@@ -145,7 +151,8 @@ def parallel_model(num_branches: int = 32, width: int = 256, batch: int = 64,
 
 def keras_model(application: str, batch: int = 8, image_size: int = 224, num_ps: int = 1,
                 worker_device: str = "/job:worker/task:0", training: bool = False,
-                learning_rate: float = 0.01, seed: int = 0, classes: int = 1000) -> PsModel:
+                learning_rate: float = 0.01, seed: int = 0, classes: int = 1000,
+                wrap_optimizer=None) -> PsModel:
     """A ``tf.keras.applications`` model without weights, on synthetic images.
 
     Variables are spread over the PS tasks by size (each to the least loaded task), the
@@ -172,12 +179,51 @@ def keras_model(application: str, batch: int = 8, image_size: int = 224, num_ps:
             loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
                 labels, logits))
     return _finish(graph, setter, loss, list(model.trainable_variables), training,
-                   learning_rate)
+                   learning_rate, wrap_optimizer)
+
+
+def transformer_model(batch: int = 8, layers: int = 12, width: int = 256, heads: int = 4,
+                      sequence: int = 128, vocabulary: int = 8000,
+                      worker_device: str = "/job:worker/task:0", training: bool = True,
+                      learning_rate: float = 0.01, seed: int = 0,
+                      wrap_optimizer=None) -> PsModel:
+    """A BERT-style encoder (Keras layers) on synthetic tokens: many small tensors (16 per
+    layer: attention and feed-forward kernels and biases, two layer norms), for the
+    AllReduce benchmarks. Parameters on ``worker_device``."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.device(worker_device):
+        tf.compat.v1.set_random_seed(seed)
+        tokens = tf.random.stateless_uniform([batch, sequence], seed=[seed, 1],
+                                             maxval=vocabulary, dtype=tf.int32)
+        embedding = tf.keras.layers.Embedding(vocabulary, width)
+        hidden = embedding(tokens)
+        variables = list(embedding.trainable_variables)
+        for _ in range(layers):
+            attention = tf.keras.layers.MultiHeadAttention(heads, width // heads)
+            norms = [tf.keras.layers.LayerNormalization() for _ in range(2)]
+            feed = [tf.keras.layers.Dense(4 * width, activation="gelu"),
+                    tf.keras.layers.Dense(width)]
+            hidden = norms[0](hidden + attention(hidden, hidden))
+            hidden = norms[1](hidden + feed[1](feed[0](hidden)))
+            for layer in [attention] + norms + feed:
+                variables.extend(layer.trainable_variables)
+        logits = tf.keras.layers.Dense(vocabulary)
+        output = logits(hidden[:, 0])
+        variables.extend(logits.trainable_variables)
+        labels = tf.random.stateless_uniform([batch], seed=[seed, 2], maxval=vocabulary,
+                                             dtype=tf.int32)
+        loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+            labels, output, from_logits=True))
+    return _finish(graph, worker_device, loss, variables, training, learning_rate,
+                   wrap_optimizer)
 
 
 def build_model(name: str, batch: int, num_ps: int, worker_device: str, training: bool,
-                image_size: int = 224, width: int = 1024, seed: int = 0) -> PsModel:
-    """One of :data:`MODEL_NAMES`: ``seqN``/``parN`` with ``width``, or a Keras model."""
+                image_size: int = 224, width: int = 1024, seed: int = 0,
+                wrap_optimizer=None) -> PsModel:
+    """One of :data:`MODEL_NAMES`: ``seqN``/``parN`` with ``width``, a Keras application,
+    or the transformer (``wrap_optimizer``: Keras models and the transformer)."""
     if name.startswith("seq") and name[3:].isdigit():
         return chain_model(int(name[3:]), width=width, batch=batch, num_ps=num_ps,
                            worker_device=worker_device, training=training, seed=seed)
@@ -186,5 +232,9 @@ def build_model(name: str, batch: int, num_ps: int, worker_device: str, training
                               worker_device=worker_device, training=training, seed=seed)
     if name in KERAS_APPLICATIONS:
         return keras_model(name, batch=batch, image_size=image_size, num_ps=num_ps,
-                           worker_device=worker_device, training=training, seed=seed)
+                           worker_device=worker_device, training=training, seed=seed,
+                           wrap_optimizer=wrap_optimizer)
+    if name == "transformer":
+        return transformer_model(batch=batch, worker_device=worker_device, training=training,
+                                 seed=seed, wrap_optimizer=wrap_optimizer)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")

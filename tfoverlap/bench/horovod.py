@@ -1,0 +1,198 @@
+"""The Horovod benchmark: Horovod's defaults vs autotune vs DDP-style buckets vs Caramel.
+
+For every model and link rate it builds an emulated network of two hosts (tbf-shaped
+links) and runs two Horovod (Gloo) jobs, one rank per host:
+
+- one job holds the graphs of ``horovod``, ``ddp25``, ``caramel``, ``compute_only`` and
+  ``comm_only`` side by side and times them in turns, block by block, rotated every round
+  (:mod:`tfoverlap.bench.horovod_worker`), so a slow phase of the shared machine hits all
+  of them alike;
+- ``HOROVOD_AUTOTUNE=1`` is process-wide, so ``autotune`` runs in a second job right after
+  (tuning during its warm-up steps) and is compared with the first job's ``horovod``.
+
+Speed-ups are medians over the steps of both ranks' lock-stepped job (rank 0's clock),
+with 95% bootstrap intervals. Results go to CSV, Markdown, JSON and a PNG.
+
+    sudo .venv/bin/python -m tfoverlap.bench.horovod --out out/horovod
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from tfoverlap.options import parse_bandwidth
+
+__all__ = ["DEFAULT_BATCH", "run_configuration", "summarize", "main"]
+
+#: model -> batch per rank, chosen so that at 1 Gbit/s communication is about as long
+#: as computation or longer on this project's 2-core machines (the measured ratio is
+#: reported next to every result).
+DEFAULT_BATCH = {"resnet50": 2, "inception_v3": 2, "vgg16": 2, "transformer": 4}
+AUTOTUNE_ENV = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
+                "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3",
+                "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}
+AUTOTUNE_WARMUP = 24       # training steps for autotune to settle before it is timed
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _worker_job(network, argv: list[str], env: dict, timeout: float, log_path: str) -> dict:
+    from tfoverlap.testbed.horovod import run_horovod
+    command = [sys.executable, "-m", "tfoverlap.bench.horovod_worker"] + argv
+    result = run_horovod(network, 2, command, "gloo", env=env, timeout=timeout)
+    with open(log_path, "w") as log:
+        for rank, output in enumerate(result.outputs):
+            log.write(f"===== rank {rank} =====\n{output}\n")
+    lines = [line for line in result.outputs[0].splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"the Horovod job failed ({result.launcher}, exit "
+                           f"{result.returncode}); see {log_path}")
+    return json.loads(lines[-1])
+
+
+def run_configuration(model: str, batch: int, bandwidth: float, rounds: int, steps: int,
+                      workdir: str, autotune: bool = True, timeout: float = 3600.0) -> dict:
+    """Both jobs of one configuration on a fresh two-host network; the raw measurements."""
+    from tfoverlap.testbed.network import EmulatedNetwork
+    os.makedirs(workdir, exist_ok=True)
+    common = ["--model", model, "--batch", str(batch)]
+    with EmulatedNetwork(2, bandwidth=bandwidth) as network:
+        description = network.describe()
+        _progress(f"{model} at {bandwidth * 8 / 1e9:g} Gbit/s: {description}; side-by-side job")
+        main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
+                                                  str(steps)], {},
+                               timeout, os.path.join(workdir, "main-job.log"))
+        tuned = None
+        if autotune:
+            _progress(f"{model}: autotune job")
+            log = os.path.join(workdir, "autotune.csv")
+            tuned = _worker_job(network, common + [
+                "--variants", "autotune", "--rounds", "1", "--steps", str(rounds * steps),
+                "--warmup", str(AUTOTUNE_WARMUP)], {**AUTOTUNE_ENV, "HOROVOD_AUTOTUNE_LOG": log},
+                timeout, os.path.join(workdir, "autotune-job.log"))
+            tuned["autotune_log_tail"] = _tail(log)
+    times = dict(main_job["times"])
+    if tuned:
+        times["autotune"] = tuned["times"]["autotune"]
+    return {"model": model, "batch": batch, "bandwidth": bandwidth, "network": description,
+            "times": times, "caramel": main_job["caramel"],
+            "network_model": main_job["network_model"],
+            "parameter_bytes": main_job["parameter_bytes"], "tensors": main_job["tensors"],
+            "autotune": tuned and tuned["autotune_log_tail"]}
+
+
+def _tail(path: str, lines: int = 2) -> list[str]:
+    try:
+        with open(path) as stream:
+            return stream.read().strip().splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def summarize(result: dict) -> list[dict]:
+    """One row per variant: median step, spread, speed-up over Horovod's defaults."""
+    from tfoverlap.bench import metrics
+    times = result["times"]
+    comm = statistics.median(times["comm_only"])
+    comp = statistics.median(times["compute_only"])
+    rows = []
+    for name in ("horovod", "autotune", "ddp25", "caramel"):
+        if name not in times:
+            continue
+        spread = metrics.spread(times[name])
+        ratio, low, high = metrics.speedup(times["horovod"], times[name])
+        caramel = result["caramel"] or {}
+        rows.append({
+            "model": result["model"], "mode": f"{result['bandwidth'] * 8 / 1e9:g} Gbit/s",
+            "batch": result["batch"], "gbit_per_s": result["bandwidth"] * 8 / 1e9,
+            "variant": name, "median_s": spread.median, "p10_s": spread.p10,
+            "p90_s": spread.p90, "steps": spread.count,
+            "speedup": ratio, "ci_low": low, "ci_high": high,
+            "comm_s": comm, "comp_s": comp, "comm_over_comp": comm / comp,
+            "efficiency": metrics.efficiency(spread.median, comm, comp),
+            "tensors": result["tensors"], "parameter_mb": result["parameter_bytes"] / 1e6,
+            "caramel_buckets": caramel.get("buckets", "") if name == "caramel" else "",
+        })
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| model | link | batch | variant | iteration s (p10-p90) | speed-up (95% CI) | "
+             "comm/comp | E |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        speedup = ("1.00x" if row["variant"] == "horovod" else
+                   f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f})")
+        variant = row["variant"] + (f" ({row['caramel_buckets']} buckets)"
+                                    if row["caramel_buckets"] != "" else "")
+        efficiency = row["efficiency"]
+        lines.append(
+            f"| {row['model']} ({row['tensors']} tensors, {row['parameter_mb']:.0f} MB) | "
+            f"{row['mode']} | {row['batch']} | {variant} | {row['median_s']:.3f} "
+            f"({row['p10_s']:.3f}-{row['p90_s']:.3f}) | {speedup} | "
+            f"{row['comm_s']:.2f}/{row['comp_s']:.2f} = {row['comm_over_comp']:.2f} | "
+            f"{'n/a' if efficiency != efficiency else f'{efficiency:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tfoverlap.bench.horovod",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet50,vgg16,inception_v3,transformer")
+    parser.add_argument("--bandwidths", default="1Gbit,10Gbit")
+    parser.add_argument("--batch", type=int, help="override the per-model batch size")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps per block")
+    parser.add_argument("--no-autotune", action="store_true", help="skip the autotune job")
+    parser.add_argument("--out", default="out/horovod")
+    args = parser.parse_args(argv)
+    from tfoverlap.testbed.models import MODEL_NAMES
+    try:
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        unknown = [m for m in models if m not in MODEL_NAMES or m.startswith(("seq", "par"))]
+        if unknown or not models:
+            raise ValueError(f"unknown model {unknown[0] if unknown else ''!r}; choose from "
+                             f"{', '.join(DEFAULT_BATCH)}")
+        bandwidths = [parse_bandwidth(b) for b in args.bandwidths.split(",")]
+        if min(args.rounds, args.steps) < 1 or (args.batch is not None and args.batch < 1):
+            raise ValueError("--rounds, --steps and --batch must be >= 1")
+    except ValueError as error:
+        print(f"tfoverlap bench: {error}", file=sys.stderr)
+        return 2
+    from tfoverlap.bench import report
+    os.makedirs(args.out, exist_ok=True)
+    rows, results = [], []
+    for model in models:
+        for bandwidth in bandwidths:
+            workdir = os.path.join(args.out, "work", f"{model}-{bandwidth * 8 / 1e9:g}gbit")
+            result = run_configuration(model, args.batch or DEFAULT_BATCH.get(model, 4),
+                                       bandwidth, args.rounds, args.steps, workdir,
+                                       autotune=not args.no_autotune)
+            results.append(result)
+            rows.extend(summarize(result))
+            _progress(", ".join(f"{r['variant']} {r['median_s']:.3f}s ({r['speedup']:.2f}x)"
+                                for r in rows[-4:] if r["model"] == model))
+            report.write_csv(rows, os.path.join(args.out, "results.csv"))
+            with open(os.path.join(args.out, "results.json"), "w") as stream:
+                json.dump(results, stream)
+            with open(os.path.join(args.out, "results.md"), "w") as stream:
+                stream.write(markdown_table(rows))
+            report.plot_speedups(rows, os.path.join(args.out, "speedups.png"),
+                                 baseline="horovod",
+                                 ylabel="speed-up over Horovod's defaults")
+    print()
+    print(f"2 ranks (Gloo), {results[0]['network']}; {args.rounds} rounds x {args.steps} "
+          "steps per variant, interleaved")
+    print(markdown_table(rows))
+    print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
+          "speedups.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

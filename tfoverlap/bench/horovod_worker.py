@@ -1,0 +1,138 @@
+"""One rank of the Horovod benchmark: builds every variant's graph, then times them in turns.
+
+Run by :mod:`tfoverlap.bench.horovod` as a Horovod job (one rank per emulated host). All
+ranks run the same schedule, so the AllReduces keep them in step; rank 0 prints one JSON
+line with every variant's step times and what Caramel planned.
+
+Variants (each its own graph and session, same model, batch and seed):
+  horovod       ``hvd.DistributedOptimizer`` as is (Horovod's cycle/buffer fusion).
+  autotune      the same graph; meant for a job with ``HOROVOD_AUTOTUNE=1`` (process-wide).
+  ddp25         explicit groups as PyTorch DDP buckets them: reverse parameter order,
+                25 MiB per bucket, the first 1 MiB.
+  caramel       ``tfoverlap.horovod.DistributedOptimizer`` (network measured at start-up).
+  compute_only  the same model with a local optimizer: the step without communication.
+  comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["ddp_groups", "main"]
+
+VARIANT_NAMES = ("horovod", "autotune", "ddp25", "caramel", "compute_only", "comm_only")
+MIB = 2 ** 20
+
+
+def ddp_groups(variables, bucket_bytes: int = 25 * MIB, first_bytes: int = 1 * MIB):
+    """PyTorch DDP's buckets: parameters in reverse order (roughly the order their
+    gradients become ready), cut at ``bucket_bytes`` (the first bucket at ``first_bytes``)."""
+    groups, current, size = [], [], 0
+    limit = first_bytes
+    for variable in reversed(list(variables)):
+        current.append(variable)
+        size += variable.shape.num_elements() * variable.dtype.size
+        if size >= limit:
+            groups.append(current)
+            current, size, limit = [], 0, bucket_bytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _build(variant: str, args):
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import tfoverlap.horovod as tfo_hvd
+    from tfoverlap.testbed.models import build_model
+
+    # Embedding gradients are reduced dense in every variant (Horovod's explicit groups
+    # cannot take IndexedSlices).
+    def wrap(optimizer):
+        if variant in ("horovod", "autotune"):
+            return hvd.DistributedOptimizer(optimizer, sparse_as_dense=True)
+        if variant == "caramel":
+            return tfo_hvd.DistributedOptimizer(optimizer, sparse_as_dense=True)
+        return optimizer
+
+    model = build_model(args.model, args.batch, 0, "/cpu:0", True, seed=args.seed,
+                        wrap_optimizer=None if variant == "ddp25" else wrap)
+    fetch = model.fetch
+    if variant == "ddp25":
+        with model.graph.as_default():
+            optimizer = hvd.DistributedOptimizer(
+                tf.compat.v1.train.GradientDescentOptimizer(0.01),
+                groups=ddp_groups(model.variables), sparse_as_dense=True)
+            fetch = optimizer.minimize(model.loss, var_list=model.variables)
+            model.init = tf.compat.v1.global_variables_initializer()
+    elif variant == "comm_only":
+        with model.graph.as_default():
+            # Reading the variables keeps Grappler's constant folding from running the
+            # AllReduces at optimization time; the sums keep them alive.
+            fetch = tf.add_n([tf.reduce_sum(hvd.allreduce(tf.identity(v), op=hvd.Sum,
+                                                          name=f"comm_only_{i}"))
+                              for i, v in enumerate(model.variables)])
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=args.intra_op,
+                                      inter_op_parallelism_threads=args.inter_op)
+    session = tf.compat.v1.Session(graph=model.graph, config=config)
+    session.run(model.init)
+    return session, fetch, model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--variants", default="horovod,ddp25,caramel,compute_only,comm_only")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--intra-op", type=int, default=1)
+    parser.add_argument("--inter-op", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANT_NAMES]
+    if unknown:
+        print(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANT_NAMES)}",
+              file=sys.stderr)
+        return 2
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    hvd.init()
+    import tfoverlap.horovod as tfo_hvd
+    began = time.perf_counter()
+    built = {variant: _build(variant, args) for variant in variants}
+    build_seconds = time.perf_counter() - began
+    for variant, (session, fetch, _) in built.items():
+        for _ in range(args.warmup):
+            session.run(fetch)
+    times = {variant: [] for variant in variants}
+    for round_number in range(args.rounds):
+        shift = round_number % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            session, fetch, _ = built[variant]
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                session.run(fetch)
+                times[variant].append(time.perf_counter() - start)
+    model = next(iter(built.values()))[2]
+    caramel = [p.summary for r in tfo_hvd.reports for p in r.passes if p.name == "caramel"]
+    if hvd.rank() == 0:
+        print(json.dumps({
+            "model": args.model, "batch": args.batch, "ranks": hvd.size(),
+            "parameter_bytes": model.parameter_bytes, "tensors": len(model.variables),
+            "times": times, "build_seconds": build_seconds,
+            "network_model": tfo_hvd.network_model(),
+            "caramel": caramel[-1] if caramel else None}), flush=True)
+    for session, _, _ in built.values():
+        session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
