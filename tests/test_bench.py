@@ -57,3 +57,34 @@ def test_bad_benchmark_options_are_one_line_errors(capsys):
     assert ps.main(["--workers", "0"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 4 and all(line.startswith("tfoverlap bench: ") for line in errors)
+
+
+class _Variable:
+    """What ddp_groups reads of a tf.Variable."""
+
+    def __init__(self, name: str, elements: int):
+        import tensorflow as tf
+        self.name, self.shape, self.dtype = name, tf.TensorShape([elements]), tf.float32
+
+
+def test_ddp_baseline_buckets_like_pytorch_ddp():
+    from tfoverlap.bench.horovod_worker import MIB, ddp_groups
+    # 4-byte floats: 0.5 MiB, 0.75 MiB, then 10 MiB tensors.
+    sizes = [MIB // 8, 3 * MIB // 16] + [10 * MIB // 4] * 6
+    variables = [_Variable(f"v{i}", n) for i, n in enumerate(sizes)]
+    groups = [[v.name for v in group] for group in ddp_groups(variables)]
+    # Reverse order; the first bucket closes at 1 MiB, the others at 25 MiB.
+    assert groups == [["v7"], ["v6", "v5", "v4"], ["v3", "v2", "v1", "v0"]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "alexnet"], "unknown model"),
+    (["--models", "seq32"], "unknown model"),
+    (["--bandwidths", "fast"], "not understood"),
+    (["--rounds", "0"], "must be >= 1"),
+])
+def test_bad_horovod_benchmark_options_are_one_line_errors(capsys, argv, message):
+    from tfoverlap.bench import horovod
+    assert horovod.main(argv + ["--out", "/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -3,11 +3,13 @@
 On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
 ``hvd.DistributedGradientTape`` leave once Grappler has folded their ``size() > 1`` cond):
 
-1. *Computation order.* The ops producing the gradients are chained by control edges in
-   the order a critical-path list schedule of the step runs them (an AllReduce counts its
-   ring time, so gradients with long transfers are produced early). The order is a linear
-   extension of the graph, so the chain never closes a cycle, and it is a function of the
-   graph alone, so every rank produces its gradients in the same order.
+1. *Computation order.* The ops that compute only gradients (weight gradients; not the
+   ops of the backward chain, such as batch-norm gradients, which the chain would hold
+   back) are chained by control edges in the order a critical-path list schedule of the
+   step runs them (an AllReduce counts its ring time, so gradients with long transfers are
+   produced early). The order is a linear extension of the graph, so the chain never
+   closes a cycle, and it is a function of the graph alone, so every rank produces its
+   gradients in the same order.
 2. *Buckets.* :func:`tfoverlap.caramel_plan.plan_allreduce` picks bucket boundaries with the
    ring alpha-beta model and the expected ready times, splitting gradients larger than
    ``split_bytes``; each bucket becomes one ``HorovodGroupedAllreduce``, issued when its
@@ -37,7 +39,8 @@ from tfoverlap.rewriters.allreduce_grouping import (CHECK_LENGTH, GROUP_ATTRS, B
                                                     group_allreduces)
 from tfoverlap.rewriters.control_edges import add_ordering_edges
 
-__all__ = ["caramel_pass", "ORDER_ATTR", "resolve_ranks", "plan_digest", "plan_vector"]
+__all__ = ["caramel_pass", "plan_for_graph", "ORDER_ATTR", "resolve_ranks", "request_latency",
+           "plan_digest", "plan_vector"]
 
 logger = logging.getLogger("tfoverlap")
 ORDER_ATTR = "_tfoverlap_caramel_order"
@@ -99,7 +102,7 @@ def _op_costs(graph_def, options) -> tuple[dict, dict, str]:
     return estimate.op_seconds, sizes, "static estimate"
 
 
-def _bucket_description(plan, names: list[str], bucket) -> list:
+def _bucket_description(names: list[str], bucket) -> list:
     return [[names[p.gradient], p.offset, p.size] for p in bucket.pieces]
 
 
@@ -121,16 +124,23 @@ def plan_digest(descriptions: list, settings: dict) -> str:
                           ).hexdigest()[:16]
 
 
-def caramel_pass(graph_def, context: PassContext) -> PassResult:
-    options = context.options
-    if not any(is_planned_allreduce(node) for node in graph_def.node):
-        return PassResult(graph_def, False, {"allreduces": 0})
+def plan_for_graph(graph_def, options):
+    """(plan, ranks, where the op times came from): exactly what the pass plans for
+    ``graph_def`` under ``options``; ``tfoverlap schedule --algo caramel`` shows it."""
     ranks = resolve_ranks(options.ranks)
     threads = os.cpu_count() or 1
     op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
     plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth,
                           request_latency(options.latency, ranks), op_seconds, threads,
                           options.split_bytes, tensor_sizes)
+    return plan, ranks, source
+
+
+def caramel_pass(graph_def, context: PassContext) -> PassResult:
+    options = context.options
+    if not any(is_planned_allreduce(node) for node in graph_def.node):
+        return PassResult(graph_def, False, {"allreduces": 0})
+    plan, ranks, source = plan_for_graph(graph_def, options)
     model = plan.model
     names = [model.names[v] for v in plan.nodes]
     # Pieces of each gradient in elements (the plan counts bytes).
@@ -159,7 +169,7 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
         requests.extend(BucketPieces(tuple(members)) for members in parts.values())
     prefix = free_prefix(graph_def)
     rewritten = group_allreduces(graph_def, requests, piece_elements, prefix)
-    descriptions = [_bucket_description(plan, names, b) for b in plan.buckets]
+    descriptions = [_bucket_description(names, b) for b in plan.buckets]
     settings = {"ranks": ranks, "bandwidth": options.bandwidth, "latency": options.latency,
                 "split_bytes": options.split_bytes}
     digest = plan_digest(descriptions, settings)

@@ -33,7 +33,7 @@ class GradientTimes:
     sizes: list[int]          # bytes each reduces
     ready: list[float]        # when each one's input is ready (seconds into the step)
     tails: list[float]        # compute that follows each one's reduction
-    producers: list[int]      # the ops producing the gradients, in simulated start order
+    producers: list[int]      # the ops computing only gradients, in simulated start order
 
 
 @dataclasses.dataclass
@@ -84,6 +84,23 @@ def _computing_producer(model: GraphModel, node: int) -> int:
     return producer
 
 
+def _feeds_only_allreduces(model: GraphModel, data_consumers, producer: int,
+                           reduced: set) -> bool:
+    """Whether everything ``producer`` computes goes (through Identities) to AllReduces:
+    a weight gradient, not an op of the backward chain such as a batch-norm gradient,
+    which also produces the next layer's input gradient. Only these are ordered, so the
+    order never holds back the backward pass itself."""
+    frontier = [producer]
+    for _ in range(16):
+        following = [c for f in frontier for c in data_consumers[f] if c not in reduced]
+        if not following:
+            return bool(data_consumers[producer])
+        if any(model.ops[c] not in _FORWARDING_OPS for c in following):
+            return False
+        frontier = following
+    return False
+
+
 def is_planned_allreduce(node_def) -> bool:
     """A HorovodAllreduce that Caramel may bucket (not one of its own plan-check ops)."""
     return node_def.op == ALLREDUCE_OP and CARAMEL_ATTR not in node_def.attr
@@ -129,8 +146,14 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
     schedule = simulate(problem)
     started = schedule.start
     nodes.sort(key=lambda v: (started[v], position[v]))
-    producers = list(dict.fromkeys(_computing_producer(model, v) for v in nodes
-                                   if model.data_inputs[v]))
+    data_consumers: list[list[int]] = [[] for _ in range(model.num_nodes)]
+    for node in range(model.num_nodes):
+        for producer, _ in model.data_inputs[node]:
+            data_consumers[producer].append(node)
+    reduced = set(nodes)
+    producers = [p for p in dict.fromkeys(_computing_producer(model, v) for v in nodes
+                                          if model.data_inputs[v])
+                 if _feeds_only_allreduces(model, data_consumers, p, reduced)]
     producers.sort(key=lambda p: (started[p], position[p]))
     return GradientTimes(model=model, nodes=nodes, sizes=[sizes_by_node[v] for v in nodes],
                          ready=[float(started[v]) for v in nodes],

@@ -234,20 +234,22 @@ def _schedule(args) -> int:
 
 
 def _schedule_allreduce(graph_def, args) -> int:
-    from tfoverlap.caramel_plan import ALLREDUCE_OP, plan_allreduce
-    from tfoverlap.options import parse_bandwidth
+    from tfoverlap.caramel_pass import plan_for_graph
+    from tfoverlap.caramel_plan import ALLREDUCE_OP
+    from tfoverlap.options import parse_options
     if not any(node.op == ALLREDUCE_OP for node in graph_def.node):
         raise CliError(f"no {ALLREDUCE_OP} ops in {args.graph}; caramel plans Horovod graphs")
     if args.workers < 2:
         raise CliError(f"--workers must be >= 2 for AllReduce, got {args.workers}")
     try:
-        bandwidth = parse_bandwidth(args.bandwidth)
+        options = parse_options({"allreduce": "caramel", "ranks": args.workers,
+                                 "bandwidth": args.bandwidth, "latency": args.latency_us * 1e-6,
+                                 "split_bytes": args.chunk_mb * 1e6,
+                                 "profile": args.profile or ""})
     except ValueError as error:
         raise CliError(str(error)) from None
-    profile = _load_profile(args.profile)
-    plan = plan_allreduce(graph_def, "caramel", args.workers, bandwidth,
-                          args.latency_us * 1e-6, profile.op_seconds if profile else None,
-                          chunk_bytes=args.chunk_mb * 1e6)
+    bandwidth = options.bandwidth
+    plan, _, source = plan_for_graph(graph_def, options)
     names = [plan.model.names[v] for v in plan.nodes]
     rows = [{"bucket": k, "gradients": [{"allreduce": names[p.gradient], "offset": p.offset,
                                           "bytes": p.size} for p in b.pieces],
@@ -259,8 +261,7 @@ def _schedule_allreduce(graph_def, args) -> int:
         print()
         return 0
     print(f"Caramel buckets for {len(names)} AllReduces, {args.workers} ranks, "
-          f"{bandwidth * 8 / 1e9:g} Gbit/s" + ("" if profile else
-                                              " (no profile: every gradient ready at once)"))
+          f"{bandwidth * 8 / 1e9:g} Gbit/s (op times: {source})")
     print(f"  {'#':>3} {'gradients':>9} {'size':>12} {'ready ms':>9} {'start ms':>9} "
           f"{'finish ms':>10}  first gradient")
     for row in rows:

@@ -1,35 +1,46 @@
-"""``make demo``: a short run of the parameter-server benchmark on the emulated testbed.
+"""``make demo``: short runs of both benchmarks on the emulated testbed.
 
-One PS and two workers, each in its own network namespace behind a tbf-shaped link
-(root needed; without it the run falls back to loopback and says so). TicTac's seq-32 in
-inference and training and Keras ResNet-50 in inference, with TensorFlow's default,
-TensorFlow's recv scheduling, TIC and TAC interleaved. Prints the table and writes the
-CSV, the Markdown table and the plots. ``docs/benchmarks.md`` has the full benchmark.
+TicTac: one PS and two workers, each in its own network namespace behind a tbf-shaped
+link; TicTac's seq-32 in inference and training and Keras ResNet-50 in inference, with
+TensorFlow's default, TensorFlow's recv scheduling, TIC and TAC interleaved.
+Caramel: two Horovod ranks (Gloo) behind 1 Gbit/s links training ResNet-50, with
+Horovod's defaults, DDP-style buckets and Caramel interleaved.
+Root is needed for the namespaces; without it the runs fall back to loopback and say so.
+Prints the tables and writes CSV, Markdown and plots under ``out/demo``.
+``docs/benchmarks.md`` has the full benchmarks.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DEMO_MODELS = "seq32,resnet50:inference"
+DEMO_HOROVOD_MODEL = "resnet50"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tfoverlap.demo",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=DEMO_MODELS)
+    parser.add_argument("--horovod-model", default=DEMO_HOROVOD_MODEL)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="out/demo")
     args = parser.parse_args(argv)
 
     import tensorflow as tf
     import tfoverlap
-    from tfoverlap.bench import ps
+    from tfoverlap.bench import horovod, ps
     print(f"tfoverlap {tfoverlap.__version__} with TensorFlow {tf.__version__}: a short PS "
-          f"benchmark ({args.models}, {args.rounds} rounds); progress on stderr",
-          flush=True)
-    return ps.main(["--models", args.models, "--rounds", str(args.rounds), "--steps", "2",
-                    "--traces", "2", "--out", args.out])
+          f"benchmark ({args.models}, {args.rounds} rounds), then a short Horovod one "
+          f"({args.horovod_model}); progress on stderr", flush=True)
+    status = ps.main(["--models", args.models, "--rounds", str(args.rounds), "--steps", "2",
+                      "--traces", "2", "--out", args.out])
+    if status:
+        return status
+    return horovod.main(["--models", args.horovod_model, "--bandwidths", "1Gbit",
+                         "--rounds", str(args.rounds), "--steps", "2", "--no-autotune",
+                         "--out", os.path.join(args.out, "horovod")])
 
 
 if __name__ == "__main__":

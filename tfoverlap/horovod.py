@@ -14,8 +14,9 @@ results, with the backward order fixed and the gradients reduced in planned buck
   Eagerly executed steps have no graph to schedule and run as plain Horovod.
 
 The network model (alpha, beta) is what :func:`configure` was given, else it is measured
-once with a few AllReduces of two sizes, and rank 0's measurement is used by every rank so
-that all ranks plan alike.
+once with a few AllReduces of two sizes; without a profile, op times are TensorFlow's FLOP
+counts over a measured matrix-product rate. Rank 0's measurements are used by every rank
+so that all ranks plan alike.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import time
 import numpy as np
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
-           "network_model", "caramel_options"]
+           "measure_flops", "network_model", "caramel_options"]
 
 logger = logging.getLogger("tfoverlap")
 _configured: dict = {}
@@ -93,9 +94,32 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
     return float(result[0]), float(result[1])
 
 
+def measure_flops(size: int = 768, repeats: int = 5) -> float:
+    """FLOP/s of a float32 matrix product on this machine, for Caramel's op time estimates
+    when nothing was profiled; rank 0's value, broadcast to every rank."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    data = np.random.default_rng(0).random((size, size), dtype=np.float32)
+    with tf.Graph().as_default() as graph:
+        matrix = tf.compat.v1.placeholder(tf.float32, data.shape)
+        product = tf.reduce_sum(tf.matmul(matrix, matrix))
+        values = tf.compat.v1.placeholder(tf.float64, [1])
+        agreed = hvd.broadcast(values, 0, name="tfoverlap_measure_flops")
+    with tf.compat.v1.Session(graph=graph) as session:
+        times = []
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            session.run(product, {matrix: data})
+            times.append(time.perf_counter() - began)
+        rate = 2 * size ** 3 / max(float(np.median(times[1:])), 1e-9)
+        return float(session.run(agreed, {values: [rate]})[0])
+
+
 def network_model() -> dict:
-    """The bandwidth and latency the wrappers plan with (configured or measured)."""
-    return {key: _configured.get(key, _measured.get(key)) for key in ("bandwidth", "latency")}
+    """The bandwidth, latency and FLOP rate the wrappers plan with (configured or
+    measured)."""
+    return {key: _configured.get(key, _measured.get(key))
+            for key in ("bandwidth", "latency", "flops")}
 
 
 def caramel_options() -> dict:
@@ -103,12 +127,17 @@ def caramel_options() -> dict:
     neither bandwidth nor latency was configured)."""
     options = {"allreduce": "caramel", "schedule": "none", **_configured}
     if "bandwidth" not in options and "latency" not in options:
-        if not _measured:
+        if "bandwidth" not in _measured:
             bandwidth, latency = measure_network()
             _measured.update(bandwidth=bandwidth, latency=latency)
             logger.info("tfoverlap: measured AllReduce bandwidth %.3g B/s, latency %.3g s",
                         bandwidth, latency)
-        options.update(_measured)
+        options.update(bandwidth=_measured["bandwidth"], latency=_measured["latency"])
+    if "flops" not in options and "profile" not in options:
+        if "flops" not in _measured:
+            _measured["flops"] = measure_flops()
+            logger.info("tfoverlap: measured %.3g FLOP/s", _measured["flops"])
+        options["flops"] = _measured["flops"]
     return options
 
 
