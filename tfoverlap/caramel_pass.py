@@ -136,15 +136,9 @@ def plan_for_graph(graph_def, options):
     return plan, ranks, source
 
 
-def caramel_pass(graph_def, context: PassContext) -> PassResult:
-    options = context.options
-    if not any(is_planned_allreduce(node) for node in graph_def.node):
-        return PassResult(graph_def, False, {"allreduces": 0})
-    plan, ranks, source = plan_for_graph(graph_def, options)
-    model = plan.model
-    names = [model.names[v] for v in plan.nodes]
-    # Pieces of each gradient in elements (the plan counts bytes).
-    node_defs = {node.name: node for node in graph_def.node}
+def _requests(plan, names: list[str], node_defs: dict):
+    """(element counts of the pieces of each split gradient, the Horovod requests): a
+    bucket whose members differ in dtype or reduction becomes several requests."""
     piece_elements: dict[str, list[int]] = {}
     piece_index: dict[tuple[int, int], int] = {}
     for gradient, name in enumerate(names):
@@ -156,7 +150,6 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
             itemsize = dtype_bytes(node_defs[name].attr["T"].type)
             bounds = offsets + [plan.sizes[gradient]]
             piece_elements[name] = [(b - a) // itemsize for a, b in zip(bounds, bounds[1:])]
-    # A bucket whose members differ in dtype or reduction becomes several requests.
     requests: list[BucketPieces] = []
     for bucket in plan.buckets:
         parts: dict[tuple, list] = {}
@@ -167,6 +160,18 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
             parts.setdefault(key, []).append(
                 (names[piece.gradient], piece_index[(piece.gradient, piece.offset)]))
         requests.extend(BucketPieces(tuple(members)) for members in parts.values())
+    return piece_elements, requests
+
+
+def caramel_pass(graph_def, context: PassContext) -> PassResult:
+    options = context.options
+    if not any(is_planned_allreduce(node) for node in graph_def.node):
+        return PassResult(graph_def, False, {"allreduces": 0})
+    plan, ranks, source = plan_for_graph(graph_def, options)
+    model = plan.model
+    names = [model.names[v] for v in plan.nodes]
+    node_defs = {node.name: node for node in graph_def.node}
+    piece_elements, requests = _requests(plan, names, node_defs)
     prefix = free_prefix(graph_def)
     rewritten = group_allreduces(graph_def, requests, piece_elements, prefix)
     descriptions = [_bucket_description(names, b) for b in plan.buckets]

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["CARAMEL_ATTR", "PREFIX", "free_prefix", "BucketPieces", "group_allreduces", "add_plan_check",
-           "CHECK_LENGTH", "GROUP_ATTRS"]
+__all__ = ["CARAMEL_ATTR", "PREFIX", "CHECK_LENGTH", "GROUP_ATTRS", "BucketPieces",
+           "free_prefix", "group_allreduces", "add_plan_check"]
 
 CARAMEL_ATTR = "_tfoverlap_caramel"
 PREFIX = "tfoverlap/caramel/"
