@@ -118,3 +118,16 @@ def test_horovod_default_fuses_what_is_ready_each_cycle():
     capped = horovod_default_buckets(sizes, [0.0] * 4, ranks=2, bandwidth=1e3, latency=0.0,
                                       fusion_bytes=50)
     assert [[p.gradient for p in b.pieces] for b in capped] == [[0, 1], [2], [3]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 10 ** 7), st.floats(0, 0.05)), min_size=1,
+                max_size=14), st.integers(10 ** 5, 10 ** 7))
+def test_buckets_of_several_pieces_respect_the_cap(gradients, cap):
+    sizes = [size for size, _ in gradients]
+    ready = sorted(time for _, time in gradients)
+    buckets = plan_buckets(sizes, ready, ranks=4, bandwidth=1e9, latency=0.0,
+                           max_bucket_bytes=cap)
+    assert sorted(p.gradient for b in buckets for p in b.pieces) == list(range(len(sizes)))
+    for bucket in buckets:
+        assert len(bucket.pieces) == 1 or bucket.size <= cap

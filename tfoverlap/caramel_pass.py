@@ -132,7 +132,7 @@ def plan_for_graph(graph_def, options):
     op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
     plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth,
                           request_latency(options.latency, ranks), op_seconds, threads,
-                          options.split_bytes, tensor_sizes)
+                          options.split_bytes, tensor_sizes, options.bucket_bytes)
     return plan, ranks, source
 
 
@@ -176,7 +176,7 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
     rewritten = group_allreduces(graph_def, requests, piece_elements, prefix)
     descriptions = [_bucket_description(names, b) for b in plan.buckets]
     settings = {"ranks": ranks, "bandwidth": options.bandwidth, "latency": options.latency,
-                "split_bytes": options.split_bytes}
+                "split_bytes": options.split_bytes, "bucket_bytes": options.bucket_bytes}
     digest = plan_digest(descriptions, settings)
     first = descriptions[0][:3] if descriptions else []
     message = (f"tfoverlap: the Horovod ranks planned different Caramel AllReduce buckets "

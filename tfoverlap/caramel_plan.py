@@ -10,13 +10,15 @@ network-aware plan, ``"default"`` what Horovod's own fusion would do.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from tfoverlap.cost_model import ring_allreduce_seconds
 from tfoverlap.graph_model import GraphModel, is_variable_op, tensor_bytes
 from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR
-from tfoverlap.schedulers.caramel import Bucket, horovod_default_buckets, plan_buckets
+from tfoverlap.schedulers.caramel import (HOROVOD_FUSION_BYTES, Bucket,
+                                          horovod_default_buckets, plan_buckets)
 from tfoverlap.simulator import COLLECTIVE, COMPUTE, Problem, simulate
 
 __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradients",
@@ -191,12 +193,13 @@ def bucket_problem(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth:
 def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, latency: float,
                    op_seconds: dict | None = None, threads: int = 2,
                    chunk_bytes: float = SPLIT_BYTES,
-                   tensor_sizes: dict | None = None) -> AllreducePlan:
+                   tensor_sizes: dict | None = None,
+                   max_bucket_bytes: float = math.inf) -> AllreducePlan:
     """The buckets ``algorithm`` ("caramel" or Horovod's "default") makes of the graph.
 
     Caramel's dynamic program models the step coarsely (a bucket's updates as a tail); the
     plan it returns is the faster, in a simulation of the whole step, of its own and
-    Horovod's fusion, so it never loses to Horovod's default under the simulator's model.
+    Horovod's fusion with a buffer of at most ``max_bucket_bytes``.
     """
     if algorithm not in ("caramel", "default"):
         raise ValueError(f"unknown AllReduce algorithm {algorithm!r}: caramel or default")
@@ -213,12 +216,16 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
     if algorithm == "default":
         return default
     caramel = plan("caramel", plan_buckets(sizes, ready, ranks, bandwidth, latency,
-                                           chunk_bytes, tails, threads))
+                                           chunk_bytes, tails, threads, max_bucket_bytes))
 
     def step(candidate):
         return simulate(bucket_problem(candidate, op_seconds, ranks, bandwidth, latency,
                                        threads)).makespan
 
-    if step(default) < step(caramel):
-        caramel.buckets = default.buckets
+    # Horovod's fusion with a buffer no larger than the bucket cap, if that is faster.
+    fused = plan("default", horovod_default_buckets(
+        sizes, ready, ranks, bandwidth, latency,
+        fusion_bytes=min(HOROVOD_FUSION_BYTES, max_bucket_bytes)))
+    if step(fused) < step(caramel):
+        caramel.buckets = fused.buckets
     return caramel

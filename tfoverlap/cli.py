@@ -245,6 +245,7 @@ def _schedule_allreduce(graph_def, args) -> int:
         options = parse_options({"allreduce": "caramel", "ranks": args.workers,
                                  "bandwidth": args.bandwidth, "latency": args.latency_us * 1e-6,
                                  "split_bytes": args.chunk_mb * 1e6,
+                                 "bucket_bytes": args.bucket_mb * 2 ** 20,
                                  "profile": args.profile or ""})
     except ValueError as error:
         raise CliError(str(error)) from None
@@ -470,6 +471,8 @@ def _parser() -> argparse.ArgumentParser:
     schedule.add_argument("--latency-us", type=float, default=50.0, help="caramel: alpha")
     schedule.add_argument("--chunk-mb", type=float, default=64.0,
                           help="caramel: split larger gradients into pieces of this size")
+    schedule.add_argument("--bucket-mb", type=float, default=4.0,
+                          help="caramel: the largest bucket of several gradients, MiB")
     schedule.set_defaults(run=_schedule)
     simulate = graph_command("simulate", "predict one iteration with each algorithm "
                                          "(discrete-event simulation)")

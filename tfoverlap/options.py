@@ -43,6 +43,8 @@ class Options:
                  OMPI_COMM_WORLD_SIZE).
     latency:     Caramel's alpha: seconds per message of a ring step.
     split_bytes: Caramel: gradients larger than this are reduced in pieces of about this size.
+    bucket_bytes: Caramel: the largest bucket of several gradients (pipelining: the
+                 reduction of one bucket overlaps the copies of the next).
     flops:       FLOP/s for estimating op times when there is no profile (Caramel's ready
                  times; only the relation to the network matters).
     strict:      re-raise a failing pass instead of logging and keeping the graph (tests).
@@ -59,6 +61,7 @@ class Options:
     ranks: int = 0
     latency: float = 50e-6
     split_bytes: float = 64e6
+    bucket_bytes: float = 4 * 2 ** 20
     flops: float = 2e10
     strict: bool = False
     report_dir: str = ""
@@ -169,7 +172,7 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             value = _as_int(name, value)
             if value < 0:
                 raise ValueError(f"option 'ranks' must be 0 (ask Horovod) or more, got {value}")
-        elif name in ("latency", "split_bytes", "flops"):
+        elif name in ("latency", "split_bytes", "bucket_bytes", "flops"):
             value = _as_float(name, value)
             lowest = "non-negative" if name == "latency" else "positive"
             if value < 0 or (name != "latency" and value == 0):

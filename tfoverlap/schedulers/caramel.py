@@ -20,7 +20,10 @@ import numpy as np
 
 from tfoverlap.cost_model import ring_allreduce_seconds
 
-__all__ = ["Piece", "Bucket", "plan_buckets", "horovod_default_buckets", "step_end"]
+__all__ = ["Piece", "Bucket", "plan_buckets", "horovod_default_buckets", "step_end",
+           "HOROVOD_FUSION_BYTES"]
+
+HOROVOD_FUSION_BYTES = 128 * 2 ** 20     # Horovod's default fusion buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,8 @@ def _pieces(sizes: Sequence[int], ready: Sequence[float], chunk_bytes: float):
 
 def plan_buckets(sizes: Sequence[int], ready: Sequence[float], ranks: int, bandwidth: float,
                  latency: float, chunk_bytes: float = math.inf,
-                 tails: Sequence[float] | None = None, threads: int = 1) -> list[Bucket]:
+                 tails: Sequence[float] | None = None, threads: int = 1,
+                 max_bucket_bytes: float = math.inf) -> list[Bucket]:
     """Buckets, in launch order, that minimize when the step can end.
 
     ``sizes[i]``/``ready[i]``: bytes of gradient i and when it is ready, in ready order
@@ -69,14 +73,18 @@ def plan_buckets(sizes: Sequence[int], ready: Sequence[float], ranks: int, bandw
     programming over the ready order); with tails the program keeps, per prefix, the plan
     with the earliest end and then the earliest finish, and the result is never worse than
     Horovod's own fusion (:func:`horovod_default_buckets`), which is taken if it is better.
+    ``max_bucket_bytes`` caps a bucket of several pieces (one piece may exceed it): smaller
+    requests pipeline, as the reduction of one overlaps the copies of the next.
 
     Raises:
       ValueError: inconsistent lengths, a decreasing ready time, or a bad network value.
     """
     if len(sizes) != len(ready) or (tails is not None and len(tails) != len(sizes)):
         raise ValueError("sizes, ready times and tails differ in length")
-    if ranks < 1 or not bandwidth > 0 or latency < 0 or not chunk_bytes > 0:
-        raise ValueError("need ranks >= 1, bandwidth > 0, latency >= 0, chunk_bytes > 0")
+    if (ranks < 1 or not bandwidth > 0 or latency < 0 or not chunk_bytes > 0
+            or not max_bucket_bytes > 0):
+        raise ValueError("need ranks >= 1, bandwidth > 0, latency >= 0, chunk_bytes > 0, "
+                         "max_bucket_bytes > 0")
     if any(b < a for a, b in zip(ready, ready[1:])):
         raise ValueError("gradients must be given in ready order")
     if any(size < 0 for size in sizes):
@@ -102,6 +110,8 @@ def plan_buckets(sizes: Sequence[int], ready: Sequence[float], ranks: int, bandw
         bucket_tail = np.maximum(np.maximum.accumulate(piece_tails[:end][::-1])[::-1],
                                  (tail_sums[end] - tail_sums[:end]) / threads)
         ends = np.maximum(worst[:end], done + bucket_tail)
+        too_big = (prefix[end] - prefix[:end] > max_bucket_bytes) & (np.arange(end) < end - 1)
+        ends[too_big] = np.inf
         best = ends.min()
         # Among equally good plans (within float noise): the earliest finish, then the
         # largest last bucket.
@@ -116,7 +126,9 @@ def plan_buckets(sizes: Sequence[int], ready: Sequence[float], ranks: int, bandw
     bounds.reverse()
     buckets = _launch([_joined(pieces[first:last]) for first, last in bounds], ready, ranks,
                       bandwidth, latency)
-    fallback = horovod_default_buckets(sizes, ready, ranks, bandwidth, latency)
+    fallback = horovod_default_buckets(sizes, ready, ranks, bandwidth, latency,
+                                       fusion_bytes=min(HOROVOD_FUSION_BYTES,
+                                                        max_bucket_bytes))
     if step_end(fallback, tails, threads) < step_end(buckets, tails, threads) * (1 - 1e-12):
         return fallback
     return buckets
@@ -161,7 +173,7 @@ def step_end(buckets: Sequence[Bucket], tails: Sequence[float], threads: int = 1
 
 def horovod_default_buckets(sizes: Sequence[int], ready: Sequence[float], ranks: int,
                             bandwidth: float, latency: float,
-                            fusion_bytes: float = 128 * 2 ** 20,
+                            fusion_bytes: float = HOROVOD_FUSION_BYTES,
                             cycle_seconds: float = 1e-3) -> list[Bucket]:
     """What Horovod does by default, for comparison: every cycle its background thread
     fuses whatever is ready (up to the fusion buffer) into one request, once the previous
