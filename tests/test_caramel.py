@@ -50,7 +50,7 @@ def horovod_graph(tmp_path_factory):
 
 
 def _rewrite(graph_def, **options):
-    options = {"allreduce": "caramel", "schedule": "none", "ranks": 4, "bandwidth": "1Gbit",
+    options = {"allreduce": "caramel", "schedule": "none", "ranks": 4, "bandwidth": "100Mbit",
                "flops": 1e9, "strict": True, **options}
     return tfoverlap.optimize(graph_def, fetch=["train"], **options)
 
@@ -98,6 +98,15 @@ def test_backward_order_edges_chain_the_gradient_producers(horovod_graph):
             f"tfoverlap/caramel/bucket_{number}"].input
 
 
+def test_the_backward_pass_is_left_alone_when_compute_is_the_bottleneck(horovod_graph):
+    rewritten, report = _rewrite(horovod_graph, bandwidth="100Gbit")
+    summary = report.passes[0].summary
+    assert not summary["order_backward"] and summary["gradient_order"] == []
+    assert summary["order_edges"] == summary["requests"] - 1     # only the bucket chain
+    assert not any(ORDER_ATTR in n.attr for n in rewritten.node
+                   if n.op != "HorovodGroupedAllreduce")
+
+
 def test_the_rewrite_is_idempotent_and_survives_tictac(horovod_graph):
     rewritten, first = _rewrite(horovod_graph)
     again, report = _rewrite(rewritten, schedule="tic")
@@ -110,7 +119,7 @@ def test_plans_depend_on_the_network(horovod_graph):
     """Per-message latency far above everything else: one bucket; no latency and a link
     about as slow as the compute: several, so that reduction overlaps the backward pass."""
     costly_messages = _rewrite(horovod_graph, latency=1.0)[1].passes[0].summary
-    overlapping = _rewrite(horovod_graph, latency=0.0)[1].passes[0].summary
+    overlapping = _rewrite(horovod_graph, latency=0.0, bandwidth="1Gbit")[1].passes[0].summary
     assert costly_messages["buckets"] == 1
     assert overlapping["buckets"] >= 3
     assert costly_messages["plan_digest"] != overlapping["plan_digest"]
@@ -230,7 +239,7 @@ def test_backward_order_is_fixed_and_the_same_on_every_rank(network):
 def test_buckets_and_their_order_show_in_horovods_timeline(network, tmp_path):
     timeline = tmp_path / "timeline.json"
     env = {"HOROVOD_TIMELINE": str(timeline), "CARAMEL_TEST_MODEL": "parallel",
-           "HOROVOD_DISABLE_GROUP_FUSION": "1"}
+           "HOROVOD_DISABLE_GROUP_FUSION": "1", "CARAMEL_TEST_FLOPS": "2e8"}
     reports = _reports(_job(network, 2, "gloo", ["graph", "3", "flag"], env=env), 2)
     plan = reports[(0, "flag")]["plan"]
     rows = _timeline_rows(timeline.read_text())

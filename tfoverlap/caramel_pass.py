@@ -3,13 +3,16 @@
 On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
 ``hvd.DistributedGradientTape`` leave once Grappler has folded their ``size() > 1`` cond):
 
-1. *Computation order.* The ops that compute only gradients (weight gradients; not the
-   ops of the backward chain, such as batch-norm gradients, which the chain would hold
-   back) are chained by control edges in the order a critical-path list schedule of the
-   step runs them (an AllReduce counts its ring time, so gradients with long transfers are
-   produced early). The order is a linear extension of the graph, so the chain never
-   closes a cycle, and it is a function of the graph alone, so every rank produces its
-   gradients in the same order.
+1. *Computation order.* When communication is the bottleneck (the planned reductions
+   take 1.5x the window in which gradients appear, or more), the ops that compute only
+   gradients (weight gradients; not the ops of the backward chain, such as batch-norm
+   gradients, which the chain would hold back) are chained by control edges in the order
+   a critical-path list schedule of the step runs them (an AllReduce counts its ring time,
+   so gradients with long transfers are produced early). The order is a linear extension
+   of the graph, so the chain never closes a cycle, and it is a function of the graph
+   and the options alone, so every rank produces its gradients in the same order. When
+   compute is the bottleneck the reductions keep up anyway, and a fixed order would only
+   risk holding back compute that runs differently from the estimates.
 2. *Buckets.* :func:`tfoverlap.caramel_plan.plan_allreduce` picks bucket boundaries with the
    ring alpha-beta model and the expected ready times, splitting gradients larger than
    ``split_bytes``; each bucket becomes one ``HorovodGroupedAllreduce``, issued when its
@@ -136,6 +139,21 @@ def plan_for_graph(graph_def, options):
     return plan, ranks, source
 
 
+ORDER_WHEN_COMM_OVER_BACKWARD = 1.5
+
+
+def _communication_bound(plan) -> bool:
+    """Whether ordering the backward pass can pay: the planned reductions take longer than
+    the window in which the gradients appear (by a margin, since static estimates run
+    fast). Otherwise the reductions keep up anyway, and a fixed order only risks holding
+    back compute whose real timing differs from the estimate."""
+    if not plan.buckets:
+        return False
+    communication = sum(bucket.finish - bucket.start for bucket in plan.buckets)
+    window = plan.ready[-1] - plan.ready[0]
+    return communication >= ORDER_WHEN_COMM_OVER_BACKWARD * window
+
+
 def _requests(plan, names: list[str], node_defs: dict):
     """(element counts of the pieces of each split gradient, the Horovod requests): a
     bucket whose members differ in dtype or reduction becomes several requests."""
@@ -188,7 +206,8 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
                if node.op == "HorovodGroupedAllreduce" and node.name.startswith(prefix)]
     add_plan_check(rewritten, plan_vector(descriptions, settings), message, grouped,
                    node_defs[names[0]].device, prefix)
-    producers = [model.names[p] for p in plan.producers]
+    order_backward = _communication_bound(plan)
+    producers = [model.names[p] for p in plan.producers] if order_backward else []
     # Requests are issued in plan order: each waits for the one before it. TensorFlow's
     # executor would otherwise hand Horovod two ready buckets in either order.
     rewritten, edges = add_ordering_edges(
@@ -198,7 +217,7 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
         "allreduces": len(names), "buckets": len(plan.buckets), "requests": len(requests),
         "bucket_bytes": [b.size for b in plan.buckets],
         "split_gradients": sorted(piece_elements), "order_edges": edges,
-        "gradient_order": producers,
+        "order_backward": order_backward, "gradient_order": producers,
         "ranks": ranks, "ready_times_from": source, "plan_digest": digest,
         "predicted_last_bucket_end_s": round(plan.buckets[-1].finish, 6)
         if plan.buckets else 0.0})

@@ -25,7 +25,10 @@ import tfoverlap.horovod as tfo_hvd  # noqa: E402
 hvd.init()
 # CARAMEL_TEST_RANK1_BANDWIDTH gives rank 1 other options than the rest (a plan mismatch).
 BANDWIDTH = os.environ.get("CARAMEL_TEST_RANK1_BANDWIDTH") if hvd.rank() == 1 else None
-OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6, flops=2e8)
+# By default a fast compute estimate: communication is the bottleneck, so the backward pass
+# is ordered; a slow one (CARAMEL_TEST_FLOPS=2e8) spreads the gradients over several buckets.
+OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6,
+               flops=float(os.environ.get("CARAMEL_TEST_FLOPS", 1e11)))
 tfo_hvd.configure(**OPTIONS)
 PARALLEL = os.environ.get("CARAMEL_TEST_MODEL") == "parallel"
 BRANCHES = 8
