@@ -111,8 +111,11 @@ def test_a_second_run_is_refused_while_one_is_active():
     assert leftovers() == []
 
 
+# The holder restores Python's Ctrl-C handler: a test run started in the background by a
+# non-interactive shell inherits SIGINT as ignored.
 _HOLDER = """
-import subprocess, sys, time
+import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from tfoverlap.testbed.network import EmulatedNetwork
 with EmulatedNetwork(2, bandwidth=12.5e6) as network:
     child = network.spawn(1, ["sleep", "1000"])
@@ -157,7 +160,12 @@ def test_leftovers_of_a_killed_run_are_removed_by_the_next_run():
 def test_interrupted_run_tears_everything_down(signum):
     holder, child_pid = _start_holder()
     holder.send_signal(signum)
-    assert holder.wait(timeout=30) != 0
+    try:
+        assert holder.wait(timeout=30) != 0
+    finally:
+        if holder.poll() is None:       # never leave a holder with the lock behind
+            holder.kill()
+            holder.wait()
     assert leftovers() == []
     assert not _alive(child_pid)
 
