@@ -22,8 +22,8 @@ import json
 import os
 import statistics
 import sys
-import time
 
+from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
 
 __all__ = ["DEFAULT_BATCH", "run_configuration", "summarize", "main"]
@@ -37,9 +37,6 @@ AUTOTUNE_ENV = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
                 "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}
 AUTOTUNE_WARMUP = 24       # training steps for autotune to settle before it is timed
 
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _worker_job(network, argv: list[str], env: dict, timeout: float, log_path: str) -> dict:
@@ -64,13 +61,13 @@ def run_configuration(model: str, batch: int, bandwidth: float, rounds: int, ste
     common = ["--model", model, "--batch", str(batch)]
     with EmulatedNetwork(2, bandwidth=bandwidth) as network:
         description = network.describe()
-        _progress(f"{model} at {bandwidth * 8 / 1e9:g} Gbit/s: {description}; side-by-side job")
+        progress(f"{model} at {bandwidth * 8 / 1e9:g} Gbit/s: {description}; side-by-side job")
         main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
                                                   str(steps)], {},
                                timeout, os.path.join(workdir, "main-job.log"))
         tuned = None
         if autotune:
-            _progress(f"{model}: autotune job")
+            progress(f"{model}: autotune job")
             log = os.path.join(workdir, "autotune.csv")
             tuned = _worker_job(network, common + [
                 "--variants", "autotune", "--rounds", "1", "--steps", str(rounds * steps),
@@ -175,7 +172,7 @@ def main(argv=None) -> int:
                                        autotune=not args.no_autotune)
             results.append(result)
             rows.extend(summarize(result))
-            _progress(", ".join(f"{r['variant']} {r['median_s']:.3f}s ({r['speedup']:.2f}x)"
+            progress(", ".join(f"{r['variant']} {r['median_s']:.3f}s ({r['speedup']:.2f}x)"
                                 for r in rows[-4:] if r["model"] == model))
             report.write_csv(rows, os.path.join(args.out, "results.csv"))
             with open(os.path.join(args.out, "results.json"), "w") as stream:

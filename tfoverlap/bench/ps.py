@@ -21,8 +21,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
+from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
 
 __all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH", "DEFAULT_BANDWIDTH", "run_configuration", "main"]
@@ -107,9 +107,6 @@ class _Workers:
         return [self._answer(channel, "start-up") for channel in self.channels]
 
 
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
 
 def _profile_path(workdir: str, task: int) -> str:
     return os.path.join(workdir, f"tac-profile-worker{task}.json")
@@ -136,7 +133,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
     with EmulatedNetwork(config.num_ps + config.num_workers,
                          bandwidth=config.bandwidth) as network:
         cluster = PsCluster(network, config.num_ps, config.num_workers)
-        _progress(f"{config.label}: {network.describe()}; starting {config.num_ps} PS and "
+        progress(f"{config.label}: {network.describe()}; starting {config.num_ps} PS and "
                   f"{config.num_workers} workers")
         cluster.start_servers(("ps",))
         channels = []
@@ -159,13 +156,13 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         fetch = workers.ask_each([{"cmd": "save_graph",
                                    "path": os.path.join(workdir, "graph.pb")}]
                                  + [None] * (config.num_workers - 1))[0]["fetch"]
-        _progress(f"{config.label}: profiling default steps (for TAC and the simulator)")
+        progress(f"{config.label}: profiling default steps (for TAC and the simulator)")
         workers.ask_each([{"cmd": "profile", "steps": 3, "path": _profile_path(workdir, t)}
                           for t in range(config.num_workers)])
         passes = {}
         for name in variants:
             passes[name] = workers.ask({"cmd": "warmup", "variant": name})[0]["pass"]
-        _progress(f"{config.label}: measuring communication-only and computation-only "
+        progress(f"{config.label}: measuring communication-only and computation-only "
                   "iterations")
         comm = [t for a in workers.ask({"cmd": "comm", "steps": steps}) for t in a["times"]]
         comp = [t for a in workers.ask({"cmd": "comp", "steps": steps}) for t in a["times"]]
@@ -180,7 +177,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
                 blocks[name].append([sum(a["times"]) / len(a["times"]) for a in answers])
             summary = ", ".join(f"{name} {statistics.median(values):.3f}s"
                                 for name, values in times.items())
-            _progress(f"{config.label}: round {round_index + 1}/{rounds}: {summary}")
+            progress(f"{config.label}: round {round_index + 1}/{rounds}: {summary}")
         traced = {name: [workers.ask({"cmd": "trace", "variant": name})
                          for _ in range(traces)] for name in variants}
         for channel in channels:
@@ -231,8 +228,11 @@ def _parse_models(text: str) -> list[tuple[str, bool]]:
     chosen = []
     for item in text.split(","):
         name, _, mode = item.strip().partition(":")
-        if name not in MODEL_NAMES and not (name[:3] in ("seq", "par") and name[3:].isdigit()):
-            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+        # The transformer keeps its parameters local: it is a model for AllReduce only.
+        if (name not in MODEL_NAMES or name == "transformer") and not (
+                name[:3] in ("seq", "par") and name[3:].isdigit()):
+            choices = ", ".join(m for m in MODEL_NAMES if m != "transformer")
+            raise ValueError(f"unknown model {name!r}; choose from {choices}")
         if mode not in ("", "training", "inference"):
             raise ValueError(f"unknown mode {mode!r} in {item!r}: training or inference")
         for training in ((False, True) if not mode else (mode == "training",)):

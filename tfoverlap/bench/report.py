@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
+import time
 
-__all__ = ["write_csv", "markdown_table", "plot_speedups", "plot_timelines"]
+__all__ = ["progress", "write_csv", "markdown_table", "plot_speedups", "plot_timelines"]
+
+
+def progress(message: str) -> None:
+    """One time-stamped progress line on stderr."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def write_csv(rows: list[dict], path: str) -> None:
