@@ -57,7 +57,7 @@ test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests
 
 demo: setup
-	$(PY) -m tfoverlap.demo
+	$(PY) -m tfoverlap.bench.demo
 
 clean:
 	rm -rf build *.egg-info tfoverlap/*.so .pytest_cache

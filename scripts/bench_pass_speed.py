@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     # One simulated iteration: a TIC prediction with one seed is three simulations (the
     # iteration, comm-only, comp-only) plus building the tasks; a third of it, conservatively.
-    from tfoverlap.simulation import Scenario, predict
+    from tfoverlap.sim.whatif import Scenario, predict
     per_iteration = []
     for _ in range(args.repeats):
         start = time.perf_counter()

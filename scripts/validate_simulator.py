@@ -27,8 +27,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from tensorflow.core.framework import graph_pb2
-    from tfoverlap.cost_model import load_profile
-    from tfoverlap.simulation import Scenario, predict
+    from tfoverlap.costs.profile import load_profile
+    from tfoverlap.sim.whatif import Scenario, predict
     with open(os.path.join(args.results, "results.json")) as stream:
         results = json.load(stream)
     lines = ["| model | mode | variant | measured s | predicted s | error |",

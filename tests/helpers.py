@@ -5,7 +5,7 @@ import sys
 import tensorflow as tf
 
 import tfoverlap
-from tfoverlap.trace import op_start_order
+from tfoverlap.costs.trace import op_start_order
 
 LOCAL_PS = "/device:CPU:1"
 
@@ -34,7 +34,7 @@ def latest_report_with_transfers():
 
 
 def observed_local_order(metadata, read_names):
-    return op_start_order(metadata, "CPU:1", read_names)
+    return op_start_order(metadata, LOCAL_PS, read_names)
 
 
 def run_python(code: str, timeout: float = 240):

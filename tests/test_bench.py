@@ -68,7 +68,7 @@ class _Variable:
 
 
 def test_ddp_baseline_buckets_like_pytorch_ddp():
-    from tfoverlap.bench.horovod_worker import MIB, ddp_groups
+    from tfoverlap.bench.allreduce_worker import MIB, ddp_groups
     # 4-byte floats: 0.5 MiB, 0.75 MiB, then 10 MiB tensors.
     sizes = [MIB // 8, 3 * MIB // 16] + [10 * MIB // 4] * 6
     variables = [_Variable(f"v{i}", n) for i, n in enumerate(sizes)]
@@ -84,7 +84,7 @@ def test_ddp_baseline_buckets_like_pytorch_ddp():
     (["--rounds", "0"], "must be >= 1"),
 ])
 def test_bad_horovod_benchmark_options_are_one_line_errors(capsys, argv, message):
-    from tfoverlap.bench import horovod
-    assert horovod.main(argv + ["--out", "/nonexistent/never-written"]) == 2
+    from tfoverlap.bench import allreduce
+    assert allreduce.main(argv + ["--out", "/nonexistent/never-written"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import tfoverlap
-from tfoverlap.caramel_pass import ORDER_ATTR
-from tfoverlap.graph_model import GraphModel, verify_graph_def
-from tfoverlap.testbed.horovod import run_horovod
+from tfoverlap.passes.caramel import ORDER_ATTR
+from tfoverlap.graph.model import GraphModel
+from tfoverlap.graph.verify import verify_graph_def
+from tfoverlap.testbed.horovod_launch import run_horovod
 from tfoverlap.testbed.network import EmulatedNetwork
 from tests.helpers import build_horovod_graph, run_python
 

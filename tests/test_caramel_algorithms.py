@@ -5,7 +5,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tfoverlap.cost_model import ring_allreduce_seconds
+from tfoverlap.costs.network import ring_allreduce_seconds
 from tfoverlap.schedulers.caramel import plan_buckets
 
 NET = dict(ranks=4, bandwidth=1e9, latency=1e-3)

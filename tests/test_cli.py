@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 from tfoverlap import cli
-from tfoverlap.cost_model import Profile, save_profile
-from tfoverlap.simulation import Scenario, SimulationError, predict
+from tfoverlap.costs.profile import Profile, save_profile
+from tfoverlap.sim.whatif import Scenario, SimulationError, predict
 from tfoverlap.testbed.models import chain_model
 from tests.helpers import build_horovod_graph, local_config, traced_run
 
@@ -47,7 +47,7 @@ def run(capsys, *argv):
 # ------------------------------------------------------------------ the simulation itself
 def test_simulated_chain_matches_the_hand_computed_iteration(chain, files):
     graph_def, loss = chain
-    from tfoverlap.cost_model import load_profile
+    from tfoverlap.costs.profile import load_profile
     # 20 ms per kernel on the link, 10 ms per layer of compute, one worker.
     scenario = Scenario(workers=1, bandwidth=KERNEL_BYTES / 0.02, latency=0.0, threads=2)
     by_name = {p.algorithm: p for p in predict(
@@ -75,7 +75,7 @@ def test_simulation_refuses_what_it_cannot_simulate(chain, files, tmp_path):
         predict(graph_def, Scenario(workers=0))
     other = tmp_path / "other.json"
     save_profile(Profile(op_seconds={"x": 1.0}, transfer_seconds={"y/read": 1.0}), str(other))
-    from tfoverlap.cost_model import load_profile
+    from tfoverlap.costs.profile import load_profile
     with pytest.raises(SimulationError, match="does not match this graph"):
         predict(graph_def, Scenario(), profile=load_profile(str(other)))
 
@@ -190,6 +190,9 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, files, tmp_path, chain):
         ("simulate", files["pb"], "--sweep", "workers=8,zero"),
         ("simulate", files["pb"], "--algo", "magic"),
         ("trace", files["pb"]),
+        ("schedule", files["pb"], "--window", -1), ("schedule", files["pb"], "--window", 0),
+        ("inspect", files["pb"], "--ps-devices", "ps"),
+        ("plot", files["pb"], "--device", "worker0"),
     ]
     for case in cases:
         code, out, err = run(capsys, *case)

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tfoverlap
 from tfoverlap.testbed.cluster import LocalCluster
 from tfoverlap.testbed.models import chain_model
-from tfoverlap.trace import observed_transfer_order
+from tfoverlap.costs.trace import observed_transfer_order
 
 from helpers import traced_run
 

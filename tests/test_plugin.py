@@ -7,9 +7,9 @@ import pytest
 import tensorflow as tf
 
 import tfoverlap
-from tfoverlap import passes
-from tfoverlap.passes import PassResult
-from tfoverlap.plugin import library_path
+from tfoverlap.passes import pipeline
+from tfoverlap.passes.base import PassResult
+from tfoverlap.integrations.grappler import library_path
 from tfoverlap.testbed.models import chain_model
 
 from helpers import (LOCAL_PS, latest_report_with_transfers, local_config,
@@ -67,7 +67,7 @@ def cycle_pass(graph_def, context):
 @pytest.mark.parametrize("bad_pass, reason", [(broken_pass, "broken on purpose"),
                                               (cycle_pass, "cycle")])
 def test_failing_pass_warns_and_leaves_the_graph(monkeypatch, caplog, bad_pass, reason):
-    monkeypatch.setattr(passes, "select_passes", lambda options: [("bad", bad_pass)])
+    monkeypatch.setattr(pipeline, "select_passes", lambda options: [("bad", bad_pass)])
     model = local_chain()
     with tf.compat.v1.Session(graph=model.graph, config=local_config()) as sess:
         sess.run(model.init)
@@ -85,7 +85,7 @@ def test_strict_mode_raises_offline_and_reports_an_error_to_grappler():
     model = local_chain()
     graph_def = model.graph.as_graph_def()
     with pytest.raises(tfoverlap.PassFailure, match="broken on purpose"):
-        import tfoverlap.passes as pipeline
+        import tfoverlap.passes.pipeline as pipeline
         original = pipeline.select_passes
         pipeline.select_passes = lambda options: [("bad", broken_pass)]
         try:
@@ -96,7 +96,7 @@ def test_strict_mode_raises_offline_and_reports_an_error_to_grappler():
     # which TensorFlow reports (it keeps the unoptimized graph: training still runs).
     result = run_python(textwrap.dedent("""
         import tensorflow as tf, tfoverlap
-        from tfoverlap import passes
+        from tfoverlap.passes import pipeline as passes
         def broken(graph_def, context):
             raise RuntimeError("broken on purpose")
         passes.select_passes = lambda options: [("bad", broken)]

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tfoverlap.cost_model import ring_allreduce_seconds
-from tfoverlap.simulator import (COLLECTIVE, COMPUTE, TRANSFER, Problem, lower_bound,
+from tfoverlap.costs.network import ring_allreduce_seconds
+from tfoverlap.sim.engine import (COLLECTIVE, COMPUTE, TRANSFER, Problem, lower_bound,
                                  serial_sum, simulate)
 
 

@@ -174,7 +174,7 @@ def test_interrupted_run_tears_everything_down(signum):
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 @pytest.mark.parametrize("loopback", [False, True])
 def test_horovod_launcher_runs_one_rank_per_host(controller, loopback):
-    from tfoverlap.testbed.horovod import run_horovod
+    from tfoverlap.testbed.horovod_launch import run_horovod
     if not loopback and not IS_ROOT:
         pytest.skip("ranks in namespaces need root")
     with EmulatedNetwork(2, bandwidth=125e6, loopback=loopback) as network:

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 import tensorflow as tf
 
 import tfoverlap
-from tfoverlap.graph_model import GraphModel, verify_graph_def
+from tfoverlap.graph.model import GraphModel
+from tfoverlap.graph.verify import verify_graph_def
 from tfoverlap.rewriters.control_edges import ARRIVAL_ATTR, GATES_ATTR
 from tfoverlap.testbed.models import chain_model
 

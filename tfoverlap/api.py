@@ -1,12 +1,25 @@
-"""The offline entry: the same passes as the plugin, on a GraphDef outside any session."""
+"""The public API: switch TfOverlap on for sessions and tf.functions, or run its passes
+offline on a GraphDef.
+
+``session_config`` for ``tf.compat.v1.Session`` / ``tf.distribute.Server`` programs,
+``rewriter_config_text`` for programs that take a RewriterConfig on their command line,
+``tf_function_options`` / ``enable_for_tf_function`` for TF2 ``tf.function`` graphs, and
+``optimize`` for the same passes outside any session.
+"""
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Iterable
 
+from tfoverlap.integrations.grappler import OPTIMIZER_NAME, load
+from tfoverlap.integrations.tf_function import get_function_config, set_function_config
 from tfoverlap.options import parse_options
-from tfoverlap.passes import PassContext, run_pipeline
+from tfoverlap.passes.base import PassContext
+from tfoverlap.passes.pipeline import run_pipeline
 
-__all__ = ["optimize"]
+__all__ = ["optimize", "session_config", "rewriter_config_text", "tf_function_options",
+           "enable_for_tf_function"]
 
 
 def optimize(graph_def, *, fetch: Iterable[str] = (), feed: Iterable[str] = (),
@@ -19,9 +32,97 @@ def optimize(graph_def, *, fetch: Iterable[str] = (), feed: Iterable[str] = (),
 
     Raises:
       ValueError: an unknown option or a bad value.
-      tfoverlap.passes.PassFailure: a pass failed and ``strict=True``.
+      tfoverlap.PassFailure: a pass failed and ``strict=True``.
     """
     context = PassContext(options=parse_options(options), fetch=tuple(fetch),
                           feed=tuple(feed), keep=tuple(keep), source="offline")
     return run_pipeline(graph_def, context)
 
+
+def _set_parameter(attr, value) -> None:
+    if isinstance(value, bool):
+        attr.b = value
+    elif isinstance(value, int):
+        attr.i = value
+    elif isinstance(value, float):
+        attr.f = value
+    else:
+        attr.s = str(value).encode()
+
+
+def _add_optimizer(config, options: dict):
+    """Returns a copy of ``config`` with TfOverlap (and only one) in its custom optimizers."""
+    from tensorflow.core.protobuf import config_pb2
+    parsed = parse_options(options)
+    new_config = config_pb2.ConfigProto()
+    if config is not None:
+        new_config.CopyFrom(config)
+    rewrite_options = new_config.graph_options.rewrite_options
+    kept = [c for c in rewrite_options.custom_optimizers if c.name != OPTIMIZER_NAME]
+    del rewrite_options.custom_optimizers[:]
+    rewrite_options.custom_optimizers.extend(kept)
+    optimizer = rewrite_options.custom_optimizers.add(name=OPTIMIZER_NAME)
+    for name, value in options.items():
+        # The parsed value is what the plugin will see; profile paths are made absolute
+        # so that a server started elsewhere finds them.
+        value = getattr(parsed, name)
+        if name == "profile" and value:
+            value = os.path.abspath(value)
+        _set_parameter(optimizer.parameter_map[name], value)
+    if parsed.strict:
+        rewrite_options.fail_on_optimizer_errors = True
+    return new_config
+
+
+def session_config(config=None, **options):
+    """A ``tf.compat.v1.ConfigProto`` with the TfOverlap optimizer switched on.
+
+    Args:
+      config: a ConfigProto to start from; it is copied, never modified.
+      **options: see :class:`tfoverlap.options.Options`.
+
+    Raises:
+      ValueError: an unknown option or a bad value, naming it.
+
+    Example:
+      >>> import tfoverlap, tensorflow as tf
+      >>> config = tfoverlap.session_config(schedule="tic", window=2)
+      >>> with tf.compat.v1.Session(config=config) as session: ...
+    """
+    load()
+    return _add_optimizer(config, options)
+
+
+def rewriter_config_text(**options) -> str:
+    """The same as :func:`session_config`, as RewriterConfig text format."""
+    from google.protobuf import text_format
+    return text_format.MessageToString(
+        _add_optimizer(None, options).graph_options.rewrite_options)
+
+
+def enable_for_tf_function(**options):
+    """Turns TfOverlap on for tf.function graphs first called from this thread afterwards.
+
+    TensorFlow has no public API for a tf.function's Grappler config; this sets the eager
+    context's function-call options (per thread). Returns the previous config, which
+    :func:`tfoverlap.integrations.tf_function.set_function_config` restores.
+    """
+    load()
+    previous = get_function_config()
+    set_function_config(_add_optimizer(previous, options))
+    return previous
+
+
+@contextlib.contextmanager
+def tf_function_options(**options):
+    """Context manager form of :func:`enable_for_tf_function`.
+
+    Example:
+      >>> with tfoverlap.tf_function_options(schedule="tic"):
+      ...     step(x)  # the first call of a concrete function is optimized by TfOverlap
+    """
+    previous = enable_for_tf_function(**options)
+    try:
+        yield
+    finally:
+        set_function_config(previous)

@@ -1,7 +1,7 @@
 """The ``tfoverlap`` command: inspect, schedule, trace, plot, simulate.
 
 Every subcommand runs the same code as the Python API (``plan_transfer_order`` is what
-the pass plans; ``tfoverlap.simulation.predict`` is the simulator). A user mistake (a
+the pass plans; ``tfoverlap.sim.whatif.predict`` is the simulator). A user mistake (a
 file that is not a graph, a profile of another graph, an option out of range) ends with
 one line on stderr and exit code 2.
 """
@@ -83,7 +83,7 @@ def load_graph(path: str):
 def _load_profile(path: str):
     if not path:
         return None
-    from tfoverlap.cost_model import ProfileError, load_profile
+    from tfoverlap.costs.profile import ProfileError, load_profile
     try:
         return load_profile(path)
     except ProfileError as error:
@@ -91,21 +91,23 @@ def _load_profile(path: str):
 
 
 def _options(args, schedule: str):
-    from tfoverlap.options import Options
+    """The pass's options from the command line, validated as every option is."""
+    from tfoverlap.options import parse_options
     try:
-        return Options(schedule=schedule, window=args.window, ps_devices=args.ps_devices,
-                       profile=getattr(args, "profile", "") or "")
-    except (TypeError, ValueError) as error:
+        return parse_options({"schedule": schedule, "window": args.window,
+                              "ps_devices": args.ps_devices,
+                              "profile": getattr(args, "profile", "") or ""})
+    except ValueError as error:
         raise CliError(str(error)) from None
 
 
 def _plan(graph_def, args, schedule: str):
-    from tfoverlap.cost_model import ProfileError
-    from tfoverlap.graph_model import GraphError
-    from tfoverlap.passes import PassContext
-    from tfoverlap.tictac_pass import plan_transfer_order
+    from tfoverlap.costs.profile import ProfileError
+    from tfoverlap.graph.model import GraphError
+    from tfoverlap.planning.tictac import plan_transfer_order
+    options = _options(args, schedule)
     try:
-        return plan_transfer_order(graph_def, PassContext(options=_options(args, schedule)))
+        return plan_transfer_order(graph_def, options)
     except (GraphError, ProfileError) as error:
         raise CliError(str(error)) from None
 
@@ -116,8 +118,9 @@ def _megabytes(num_bytes) -> str:
 
 # ---------------------------------------------------------------------- inspect
 def _inspect(args) -> int:
-    from tfoverlap.graph_model import DeviceMatcher, GraphModel, tensor_bytes
-    from tfoverlap.tictac_pass import dependency_bits
+    from tfoverlap.graph.devices import DeviceMatcher
+    from tfoverlap.graph.model import GraphModel, tensor_bytes
+    from tfoverlap.planning.tictac import dependency_bits
     graph_def = load_graph(args.graph)
     profile = _load_profile(args.profile)
     model, transfers, orders, _, _, _ = _plan(graph_def, args, "tic")
@@ -194,7 +197,7 @@ def _critical_path(model, profile) -> tuple[list[int], float]:
 
 # ---------------------------------------------------------------------- schedule
 def _schedule(args) -> int:
-    from tfoverlap.graph_model import tensor_bytes
+    from tfoverlap.graph.model import tensor_bytes
     graph_def = load_graph(args.graph)
     if args.algo == "caramel":
         return _schedule_allreduce(graph_def, args)
@@ -234,9 +237,8 @@ def _schedule(args) -> int:
 
 
 def _schedule_allreduce(graph_def, args) -> int:
-    from tfoverlap.caramel_pass import plan_for_graph
-    from tfoverlap.caramel_plan import ALLREDUCE_OP
     from tfoverlap.options import parse_options
+    from tfoverlap.planning.caramel import ALLREDUCE_OP, plan_for_graph
     if not any(node.op == ALLREDUCE_OP for node in graph_def.node):
         raise CliError(f"no {ALLREDUCE_OP} ops in {args.graph}; caramel plans Horovod graphs")
     if args.workers < 2:
@@ -289,7 +291,7 @@ def _load_run_metadata(path: str):
 
 def chrome_trace(metadata) -> dict:
     """Compute and transfers of all devices on one time axis, as a Chrome/Perfetto trace."""
-    from tfoverlap.trace import recv_events
+    from tfoverlap.costs.trace import recv_events
     events = []
     origin = min(node.all_start_micros for d in metadata.step_stats.dev_stats
                  for node in d.node_stats)
@@ -331,7 +333,13 @@ def _trace(args) -> int:
 
 def _plot(args) -> int:
     from tfoverlap.bench.report import plot_timelines
-    from tfoverlap.trace import step_timeline
+    from tfoverlap.costs.trace import step_timeline
+    from tfoverlap.graph.devices import parse_device_spec
+    if args.device:
+        try:
+            parse_device_spec(args.device)
+        except ValueError as error:
+            raise CliError(f"--device: {error}") from None
     if len(args.run_metadata) > 2:
         raise CliError("plot takes one RunMetadata, or two to compare side by side")
     labels = args.labels.split(",") if args.labels else (
@@ -354,7 +362,7 @@ def _plot(args) -> int:
 # ---------------------------------------------------------------------- simulate
 def _scenario(args, **overrides):
     from tfoverlap.options import parse_bandwidth
-    from tfoverlap.simulation import Scenario, SimulationError
+    from tfoverlap.sim.whatif import Scenario, SimulationError
     try:
         values = {"workers": args.workers, "bandwidth": parse_bandwidth(args.bandwidth),
                   "latency": args.latency_us * 1e-6, "threads": args.threads,
@@ -369,9 +377,9 @@ def _scenario(args, **overrides):
 
 
 def _predict(graph_def, scenario, args, profile):
-    from tfoverlap.cost_model import ProfileError
-    from tfoverlap.graph_model import GraphError
-    from tfoverlap.simulation import SimulationError, predict
+    from tfoverlap.costs.profile import ProfileError
+    from tfoverlap.graph.model import GraphError
+    from tfoverlap.sim.whatif import SimulationError, predict
     try:
         return predict(graph_def, scenario, args.algo.split(","), profile=profile,
                        profile_path=args.profile or "", fetches=args.fetch or ())

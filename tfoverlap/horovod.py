@@ -7,7 +7,7 @@ results, with the backward order fixed and the gradients reduced in planned buck
 - *Graph mode* (``tf.compat.v1`` optimizers): the gradients are reduced by plain
   ``HorovodAllreduce`` ops (Horovod's own wrapper hides them in a cond that only
   Grappler folds), the Caramel pass is run on the graph as it stands and its rewrite is
-  applied to the graph in place (:mod:`tfoverlap.live_graph`). Sessions need no flag.
+  applied to the graph in place (:mod:`tfoverlap.integrations.live_graph`). Sessions need no flag.
 - *TF2* (``tf.function`` training steps, Keras optimizers, the tape): Horovod's wrapper is
   used as is and the TfOverlap optimizer is switched on for the ``tf.function`` graphs of
   this thread (:func:`tfoverlap.enable_for_tf_function`), where Grappler has folded the cond.
@@ -31,7 +31,6 @@ __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "meas
 logger = logging.getLogger("tfoverlap")
 _configured: dict = {}
 _measured: dict = {}
-reports: list = []      # what the graph-mode wrapper's rewrites did, oldest first
 
 
 def configure(**options) -> None:
@@ -167,12 +166,13 @@ def _reduce_without_cond(grads, device_dense, device_sparse, compression, sparse
 def _schedule_in_place(graph) -> None:
     """Runs the Caramel pass on ``graph`` as built so far and applies it in place."""
     from tfoverlap.api import optimize
-    from tfoverlap.live_graph import apply_rewrite
+    from tfoverlap.integrations.live_graph import apply_rewrite
+    from tfoverlap.passes.base import REPORTS
     before = graph.as_graph_def()
     after, report = optimize(before, **caramel_options())
     if report.modified:
         apply_rewrite(graph, before, after)
-    reports.append(report)
+    REPORTS.append(report)
     logger.info("%s", report)
 
 
@@ -233,7 +233,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 
 
 def _enable_for_functions() -> None:
-    from tfoverlap.config import enable_for_tf_function
+    from tfoverlap.api import enable_for_tf_function
     enable_for_tf_function(**caramel_options())
 
 

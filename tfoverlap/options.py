@@ -11,8 +11,8 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
-from tfoverlap.cost_model import load_profile
-from tfoverlap.graph_model import parse_device_spec
+from tfoverlap.costs.profile import load_profile
+from tfoverlap.graph.devices import parse_device_spec
 
 __all__ = ["Options", "parse_options", "parse_bandwidth", "OPTION_NAMES"]
 

@@ -141,7 +141,7 @@ class Worker:
                                     command["steps"])}
 
     def trace(self, command):
-        from tfoverlap.trace import observed_transfer_order, step_timeline
+        from tfoverlap.costs.trace import observed_transfer_order, step_timeline
         tf = self.tf
         metadata = tf.compat.v1.RunMetadata()
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tfoverlap.cost_model import ring_allreduce_seconds
+from tfoverlap.costs.network import ring_allreduce_seconds
 
 __all__ = ["Piece", "Bucket", "plan_buckets", "horovod_default_buckets", "step_end",
            "HOROVOD_FUSION_BYTES"]

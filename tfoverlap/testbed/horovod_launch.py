@@ -70,7 +70,7 @@ def _wait_all(processes, timeout: float) -> list[int]:
 
 def _run_gloo(network, num_ranks, argv, env, timeout) -> HorovodResult:
     server = network.spawn_launcher(
-        [sys.executable, "-m", "tfoverlap.testbed.horovod", "rendezvous", str(num_ranks)],
+        [sys.executable, "-m", "tfoverlap.testbed.horovod_launch", "rendezvous", str(num_ranks)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     port = int(LineChannel(server, "Gloo rendezvous server").read(120))
     ranks = []
@@ -182,6 +182,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["rendezvous"]:
         serve_rendezvous(int(sys.argv[2]))
     else:
-        print("usage: python -m tfoverlap.testbed.horovod rendezvous NUM_RANKS",
+        print("usage: python -m tfoverlap.testbed.horovod_launch rendezvous NUM_RANKS",
               file=sys.stderr)
         raise SystemExit(2)

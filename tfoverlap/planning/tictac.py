@@ -1,28 +1,25 @@
-"""The TicTac pass: order parameter-server transfers and enforce the order with control edges.
+"""TicTac's plan for a parameter-server graph: the transfers, their order, and the gates.
 
-Per destination (worker) device: find the transfers, compute TIC or TAC's order, then make
-the PS-side source of the transfer at position k+window wait for a worker-side *gate* of
-the transfer at position k: an op on the worker that consumes that transfer and needs no
-transfer ordered after it. The gate runs only once transfer k has arrived, so at most
-``window`` ordered transfers are outstanding; since each gate needs only earlier
-transfers, the edges can never close a cycle.
+Per destination (worker) device: find the transfers, compute TIC or TAC's order
+(:mod:`tfoverlap.schedulers.tictac`), then pick for the transfer at position k+window a
+worker-side *gate* of the transfer at position k: an op on the worker that consumes that
+transfer and needs no transfer ordered after it. The gate runs only once transfer k has
+arrived, so at most ``window`` ordered transfers are outstanding; since each gate needs
+only earlier transfers, the edges can never close a cycle.
 """
 from __future__ import annotations
 
-import logging
-
-from tfoverlap.cost_model import ProfileError, estimate_transfer_seconds, load_profile
-from tfoverlap.graph_model import DeviceMatcher, GraphModel, output_dtype, tensor_bytes
-from tfoverlap.passes import PassContext, PassResult
-from tfoverlap.rewriters.control_edges import (ARRIVAL_PREFIX, ArrivalNode, add_ordering_edges,
-                                               strip_ordering_edges)
+from tfoverlap.costs.network import estimate_transfer_seconds
+from tfoverlap.costs.profile import ProfileError, load_profile
+from tfoverlap.graph.devices import DeviceMatcher
+from tfoverlap.graph.model import GraphModel, output_dtype, tensor_bytes
+from tfoverlap.graph.transfers import Transfer, find_transfers
+from tfoverlap.log import warn_once
+from tfoverlap.options import Options
+from tfoverlap.rewriters.control_edges import ARRIVAL_PREFIX, ArrivalNode
 from tfoverlap.schedulers.tictac import group_dependency_sets, tac_order, tic_order
-from tfoverlap.transfers import Transfer, find_transfers
 
-__all__ = ["tictac_pass", "plan_transfer_order", "dependency_bits"]
-
-logger = logging.getLogger("tfoverlap")
-_estimate_notes: set[str] = set()
+__all__ = ["plan_transfer_order", "dependency_bits"]
 
 
 def dependency_bits(model: GraphModel, topological: list[int],
@@ -44,8 +41,8 @@ def dependency_bits(model: GraphModel, topological: list[int],
 class _Costs:
     """Transfer and compute times for TAC: the profile first, estimates for the rest."""
 
-    def __init__(self, graph_def, model: GraphModel, context: PassContext):
-        self.options = context.options
+    def __init__(self, graph_def, model: GraphModel, options: Options):
+        self.options = options
         self.profile = load_profile(self.options.profile) if self.options.profile else None
         self.graph_def, self.model = graph_def, model
         self.estimated_transfers = 0
@@ -84,18 +81,15 @@ class _Costs:
                   else "no profile given")
         message = (f"tfoverlap: TAC {source}: estimated {self.estimated_transfers} transfer "
                    f"times from size/bandwidth and {self.estimated_ops} op times as zero")
-        if message not in _estimate_notes:
-            _estimate_notes.add(message)
-            logger.warning(message)
+        warn_once(message)
 
 
-def plan_transfer_order(graph_def, context: PassContext):
-    """The plan of the pass without the rewrite (the CLI's ``schedule`` shows it).
+def plan_transfer_order(graph_def, options: Options):
+    """What the TicTac pass enforces, without the rewrite (the CLI's ``schedule`` shows it).
 
     Returns (model, transfers, {destination: [transfer index in order]},
     [(gate name, source name)] edges, [ArrivalNode] new gate nodes, notes dict).
     """
-    options = context.options
     model = GraphModel.from_graph_def(graph_def)
     is_ps = DeviceMatcher(options.ps_devices)
     devices = model.colocated_devices()
@@ -108,7 +102,7 @@ def plan_transfer_order(graph_def, context: PassContext):
     for rank, node in enumerate(topological):
         position[node] = rank
     bits = dependency_bits(model, topological, transfers)
-    costs = _Costs(graph_def, model, context) if options.schedule == "tac" else None
+    costs = _Costs(graph_def, model, options) if options.schedule == "tac" else None
     if costs is not None:
         costs.check_matches(transfers)
 
@@ -187,31 +181,3 @@ def plan_transfer_order(graph_def, context: PassContext):
         notes["estimated_transfer_times"] = costs.estimated_transfers
         notes["estimated_op_times"] = costs.estimated_ops
     return model, transfers, orders, edges, arrivals, notes
-
-
-def tictac_pass(graph_def, context: PassContext) -> PassResult:
-    """Orders PS transfers (TIC or TAC) and enforces the order with control edges."""
-    clean, stripped = strip_ordering_edges(graph_def)
-    model, transfers, orders, edges, arrivals, notes = plan_transfer_order(clean, context)
-    if not transfers:
-        logger.info("tfoverlap: graph %s has no transfer from a parameter-server device (%s); "
-                    "nothing to order", context.item_id or "", context.options.ps_devices)
-        return PassResult(clean, modified=stripped > 0, summary={"transfers": 0})
-    used = {gate for gate, _ in edges}
-    rewritten, added = add_ordering_edges(clean, edges, [a for a in arrivals if a.name in used])
-    summary = {
-        "schedule": context.options.schedule,
-        "window": context.options.window,
-        "gate": context.options.gate,
-        "transfers": len(transfers),
-        "order": {destination: [model.names[transfers[t].source] for t in order]
-                  for destination, order in orders.items()},
-        "ordering_edges": added,
-        **notes,
-    }
-    # Without earlier edges, any addition is a change; with them, unchanged means the same
-    # edges and gates were added back (the costly comparison only happens then).
-    modified = (added > 0 if not stripped else
-                rewritten.SerializeToString(deterministic=True)
-                != graph_def.SerializeToString(deterministic=True))
-    return PassResult(rewritten if modified else graph_def, modified=modified, summary=summary)

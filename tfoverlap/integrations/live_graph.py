@@ -4,12 +4,11 @@ The passes work on GraphDefs. A graph-mode program that has not run yet can take
 same rewrite in place: nodes the pass added are imported, inputs it changed are
 re-pointed, control inputs it added are added. Nodes it removed stay, unused (a session
 runs only what its fetches need). TensorFlow has no public API for changing an existing
-op's inputs; the two private methods used here exist in TF 2.x, and :mod:`tfoverlap.compat`
-is where such things live.
+op's inputs; the two private methods used here exist in TF 2.x.
 """
 from __future__ import annotations
 
-from tfoverlap.graph_model import parse_input
+from tfoverlap.graph.model import parse_input
 
 __all__ = ["apply_rewrite"]
 

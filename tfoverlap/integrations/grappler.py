@@ -1,4 +1,4 @@
-"""The Python side of the TfOverlap Grappler optimizer.
+"""The Grappler plugin: the Python side of the TfOverlap custom graph optimizer.
 
 ``load()`` loads the C++ shim into TensorFlow (once per process) and registers
 :func:`_grappler_entry_point` with it through ctypes. Grappler then calls that entry point
@@ -11,22 +11,21 @@ from __future__ import annotations
 import collections
 import ctypes
 import json
-import logging
 import os
 import sysconfig
 import threading
 import time
 
+from tfoverlap.log import warn_once
 from tfoverlap.options import parse_options
-from tfoverlap.passes import PassContext, PassFailure, run_pipeline
+from tfoverlap.passes.base import REPORTS, PassContext, PassFailure
+from tfoverlap.passes.pipeline import run_pipeline
 
-__all__ = ["load", "library_path", "recent_reports", "OPTIMIZER_NAME"]
+__all__ = ["load", "is_loaded", "library_path", "OPTIMIZER_NAME"]
 
 OPTIMIZER_NAME = "TfOverlap"
 _ABI_VERSION = 1
 _UNCHANGED, _REWRITTEN, _FAILED = 0, 1, 2
-
-logger = logging.getLogger("tfoverlap")
 
 _ENTRY_POINT_TYPE = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
@@ -35,14 +34,11 @@ _ENTRY_POINT_TYPE = ctypes.CFUNCTYPE(
 _load_lock = threading.Lock()
 _library = None
 _entry_point = None  # keeps the ctypes callback alive for the life of the process
-_reports: collections.deque = collections.deque(maxlen=256)
-_reports_lock = threading.Lock()
-_warned: set[str] = set()
 
 
 def library_path() -> str:
-    """Where the compiled shim lives (built by setup.py next to this module)."""
-    directory = os.path.dirname(os.path.abspath(__file__))
+    """Where the compiled shim lives (built by setup.py into the tfoverlap package)."""
+    directory = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     name = "_tfoverlap_optimizer" + sysconfig.get_config_var("EXT_SUFFIX")
     return os.path.join(directory, name)
 
@@ -71,16 +67,9 @@ def load() -> None:
         _library = library
 
 
-def recent_reports() -> list:
-    """Reports of the latest Grappler invocations in this process, oldest first."""
-    with _reports_lock:
-        return list(_reports)
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
+def is_loaded() -> bool:
+    """Whether this process has registered the TfOverlap optimizer with Grappler."""
+    return _library is not None
 
 
 def _parse_item(text: str) -> dict[str, list[str]]:
@@ -138,7 +127,7 @@ def _grappler_entry_point(graph_ptr, graph_len, item_ptr, item_len,
         if strict:
             _set_result(result, message.encode())
             return _FAILED
-        _warn_once(message + "; the graph is left unchanged")
+        warn_once(message + "; the graph is left unchanged")
         return _UNCHANGED
 
 
@@ -147,10 +136,16 @@ def _set_result(result, data: bytes) -> None:
 
 
 def _record(report, report_dir: str) -> None:
-    with _reports_lock:
-        _reports.append(report)
-    if report_dir:
+    """Keeps the report; a report that cannot be written is a warning, never a reason to
+    throw the rewrite away."""
+    REPORTS.append(report)
+    if not report_dir:
+        return
+    try:
         os.makedirs(report_dir, exist_ok=True)
         name = f"report-{os.getpid()}-{time.time_ns()}.json"
         with open(os.path.join(report_dir, name), "w") as out:
             json.dump(report.to_dict(), out, indent=1)
+    except OSError as error:
+        warn_once(f"tfoverlap: cannot write reports to report_dir {report_dir!r} "
+                  f"({error.strerror or error}); the rewrite stands")

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from tfoverlap.graph.devices import DeviceMatcher
+
 __all__ = ["RecvEvent", "recv_events", "observed_transfer_order", "op_durations",
-           "op_start_order", "step_timeline", "device_matches"]
+           "op_start_order", "step_timeline", "device_filter"]
 
 _RECV_LABEL = re.compile(
     r"\[(?P<size>[0-9.]+)(?P<unit>[KMG]?B)\].*?edge_\d+_(?P<source>\S+?)(?::\d+)? from "
@@ -26,6 +28,12 @@ class RecvEvent:
     bytes: int
     start_micros: int
     duration_micros: int
+
+
+def device_filter(spec: str):
+    """A predicate on device names: those matching ``spec`` (see DeviceMatcher), or every
+    device for an empty spec."""
+    return DeviceMatcher(spec) if spec else (lambda device: True)
 
 
 def _step_stats(run_metadata_or_step_stats):
@@ -56,71 +64,62 @@ def observed_transfer_order(run_metadata, destination_job: str = "worker",
 
     Zero-byte events (control messages of cross-device control edges) are left out.
     """
+    matches = DeviceMatcher(f"/job:{destination_job}")
     return [e.source for e in recv_events(run_metadata)
-            if f"/job:{destination_job}/" in e.destination_device and e.bytes >= min_bytes]
+            if matches(e.destination_device) and e.bytes >= min_bytes]
 
 
-def op_durations(run_metadata, device_filter: str = "") -> dict[str, int]:
-    """Compute time (op start to op end, microseconds) per node on matching devices."""
-    durations = {}
+def _op_stats(run_metadata, devices: str):
+    """The node stats of the ops (not transfers, not the executor's markers) that ran on
+    devices matching the spec ``devices`` (all devices if empty)."""
+    matches = device_filter(devices)
     for device_stats in _step_stats(run_metadata).dev_stats:
-        if device_filter not in device_stats.device:
-            continue
-        for node in device_stats.node_stats:
-            if node.node_name in ("RecvTensor", "_SOURCE", "_SINK"):
-                continue
-            durations[node.node_name] = max(
-                0, node.op_end_rel_micros - node.op_start_rel_micros)
-    return durations
+        if matches(device_stats.device):
+            for node in device_stats.node_stats:
+                if node.node_name not in ("RecvTensor", "_SOURCE", "_SINK"):
+                    yield node
 
 
-def op_start_order(run_metadata, device_filter: str, names) -> list[str]:
+def op_durations(run_metadata, devices: str = "") -> dict[str, int]:
+    """Compute time (op start to op end, microseconds) per node on devices matching the
+    spec ``devices`` (all devices if empty)."""
+    return {node.node_name: max(0, node.op_end_rel_micros - node.op_start_rel_micros)
+            for node in _op_stats(run_metadata, devices)}
+
+
+def op_start_order(run_metadata, devices: str, names) -> list[str]:
     """Which of ``names`` ran on a matching device, in the order they started.
 
     For single-process sessions, where transfers between devices leave no RecvTensor
     event, the start order of the PS-side reads is the observed transfer order.
     """
+    matches = device_filter(devices)
     wanted = set(names)
     starts = {}
     for device_stats in _step_stats(run_metadata).dev_stats:
-        if device_filter in device_stats.device:
+        if matches(device_stats.device):
             for node in device_stats.node_stats:
                 if node.node_name in wanted:
                     starts[node.node_name] = node.all_start_micros
     return sorted(starts, key=lambda name: (starts[name], name))
 
 
-def device_matches(device: str, device_filter: str) -> bool:
-    """Whether ``device`` is (on) the device ``device_filter`` names, e.g. "/job:worker/task:1"
-    matches "/job:worker/replica:0/task:1/device:CPU:0" but not ".../task:10/...".
-    An empty filter matches every device."""
-    if not device_filter:
-        return True
-    wanted = [field for field in device_filter.strip("/").split("/") if field]
-    fields = device.strip("/").split("/")
-    return all(any(f == w or f.startswith(w + ":") for f in fields) for w in wanted)
-
-
-def step_timeline(run_metadata, device_filter: str = "") -> dict:
+def step_timeline(run_metadata, devices: str = "") -> dict:
     """One traced step as plain lists, times in microseconds since its first event:
 
     ``compute``: [node name, start, duration] of ops on matching devices,
     ``transfers``: [source node, start, duration, bytes] of data received by them.
     """
+    matches = device_filter(devices)
     compute = []
-    for device_stats in _step_stats(run_metadata).dev_stats:
-        if not device_matches(device_stats.device, device_filter):
-            continue
-        for node in device_stats.node_stats:
-            if node.node_name in ("RecvTensor", "_SOURCE", "_SINK"):
-                continue
-            duration = node.op_end_rel_micros - node.op_start_rel_micros
-            if duration > 0:
-                compute.append([node.node_name, node.all_start_micros + node.op_start_rel_micros,
-                                duration])
+    for node in _op_stats(run_metadata, devices):
+        duration = node.op_end_rel_micros - node.op_start_rel_micros
+        if duration > 0:
+            compute.append([node.node_name, node.all_start_micros + node.op_start_rel_micros,
+                            duration])
     transfers = [[e.source, e.start_micros, e.duration_micros, e.bytes]
                  for e in recv_events(run_metadata)
-                 if device_matches(e.destination_device, device_filter) and e.bytes > 0]
+                 if matches(e.destination_device) and e.bytes > 0]
     origin = min([c[1] for c in compute] + [t[1] for t in transfers], default=0)
     for event in compute + transfers:
         event[1] -= origin

@@ -13,7 +13,7 @@ On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
    and the options alone, so every rank produces its gradients in the same order. When
    compute is the bottleneck the reductions keep up anyway, and a fixed order would only
    risk holding back compute that runs differently from the estimates.
-2. *Buckets.* :func:`tfoverlap.caramel_plan.plan_allreduce` picks bucket boundaries with the
+2. *Buckets.* :func:`tfoverlap.planning.caramel.plan_allreduce` picks bucket boundaries with the
    ring alpha-beta model and the expected ready times, splitting gradients larger than
    ``split_bytes``; each bucket becomes one ``HorovodGroupedAllreduce``, issued when its
    last input exists and the bucket before it is reduced (Horovod reduces one request at
@@ -22,87 +22,25 @@ On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
    mismatch fails the step on every rank with a message naming the first difference.
 
 Ready times come from the profile when one is given, else from static estimates
-(:mod:`tfoverlap.op_estimates`). After the rewrite no plain ``HorovodAllreduce`` is left, so a
+(:mod:`tfoverlap.costs.static`). After the rewrite no plain ``HorovodAllreduce`` is left, so a
 second run changes nothing.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
-import sys
 
-from tfoverlap.caramel_plan import is_planned_allreduce, plan_allreduce
-from tfoverlap.cost_model import load_profile
-from tfoverlap.graph_model import dtype_bytes
-from tfoverlap.passes import PassContext, PassResult
+from tfoverlap.graph.model import dtype_bytes
+from tfoverlap.passes.base import PassContext, PassResult
+from tfoverlap.planning.caramel import is_planned_allreduce, plan_for_graph
 from tfoverlap.rewriters.allreduce_grouping import (CHECK_LENGTH, GROUP_ATTRS, BucketPieces,
                                                     add_plan_check, free_prefix,
                                                     group_allreduces)
 from tfoverlap.rewriters.control_edges import add_ordering_edges
 
-__all__ = ["caramel_pass", "plan_for_graph", "ORDER_ATTR", "resolve_ranks", "request_latency",
-           "plan_digest", "plan_vector"]
+__all__ = ["caramel_pass", "ORDER_ATTR", "plan_digest", "plan_vector"]
 
-logger = logging.getLogger("tfoverlap")
 ORDER_ATTR = "_tfoverlap_caramel_order"
-_notes: set[str] = set()
-
-
-def _note_once(message: str) -> None:
-    if message not in _notes:
-        _notes.add(message)
-        logger.warning("tfoverlap: %s", message)
-
-
-def resolve_ranks(requested: int) -> int:
-    """``requested``, or the job's size: Horovod's if it is initialized in this process,
-    else the launcher's environment; 1 if nothing says."""
-    if requested:
-        return requested
-    horovod = sys.modules.get("horovod.tensorflow")
-    if horovod is not None:
-        try:
-            return int(horovod.size())
-        except (ValueError, RuntimeError):
-            pass
-    for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if os.environ.get(variable, "").isdigit():
-            return int(os.environ[variable])
-    return 1
-
-
-def request_latency(latency: float, ranks: int) -> float:
-    """The alpha to plan with: the ring's per-step latency plus Horovod's cycle, spread over
-    the ring's 2 (n-1) steps. Each bucket waits for the one before it, so it is announced
-    just after a cycle began and waits about one cycle (HOROVOD_CYCLE_TIME, ms) to start."""
-    try:
-        cycle = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1e3
-    except ValueError:
-        cycle = 1e-3
-    return latency + (cycle / (2 * (ranks - 1)) if ranks > 1 else 0.0)
-
-
-def _op_costs(graph_def, options) -> tuple[dict, dict, str]:
-    """(op seconds, known tensor sizes, where the times came from)."""
-    from tfoverlap.op_estimates import static_costs
-    sizes: dict = {}
-    try:
-        estimate = static_costs(graph_def, options.flops)
-        sizes = estimate.tensor_bytes
-    except Exception as error:  # noqa: BLE001 - any import failure: unit costs instead
-        _note_once(f"Caramel cannot estimate op times ({type(error).__name__}: {error}); "
-                   "it orders by graph structure with equal op costs")
-        estimate = None
-    if options.profile:
-        profile = load_profile(options.profile)
-        return dict(profile.op_seconds), sizes, "profile"
-    if estimate is None:
-        from tfoverlap.op_estimates import OP_OVERHEAD_SECONDS
-        return ({node.name: OP_OVERHEAD_SECONDS for node in graph_def.node}, sizes,
-                "unit costs")
-    return estimate.op_seconds, sizes, "static estimate"
 
 
 def _bucket_description(names: list[str], bucket) -> list:
@@ -125,18 +63,6 @@ def plan_vector(descriptions: list, settings: dict) -> list[int]:
 def plan_digest(descriptions: list, settings: dict) -> str:
     return hashlib.sha256(json.dumps([descriptions, settings], sort_keys=True).encode()
                           ).hexdigest()[:16]
-
-
-def plan_for_graph(graph_def, options):
-    """(plan, ranks, where the op times came from): exactly what the pass plans for
-    ``graph_def`` under ``options``; ``tfoverlap schedule --algo caramel`` shows it."""
-    ranks = resolve_ranks(options.ranks)
-    threads = os.cpu_count() or 1
-    op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
-    plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth,
-                          request_latency(options.latency, ranks), op_seconds, threads,
-                          options.split_bytes, tensor_sizes, options.bucket_bytes)
-    return plan, ranks, source
 
 
 ORDER_WHEN_COMM_OVER_BACKWARD = 1.5

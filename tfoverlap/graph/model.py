@@ -1,19 +1,15 @@
-"""From a GraphDef to plain ids and lists, and the structural checks every pass must pass.
+"""From a GraphDef to plain ids and lists: the graph model every planner works on.
 
 Algorithms never see protobufs: they get a :class:`GraphModel` whose nodes are integers
-0..n-1 with their name, op, device and inputs. Only this module and the rewriters read or
-write ``GraphDef`` fields.
+0..n-1 with their name, op, device and inputs. Only the graph layer and the rewriters read
+or write ``GraphDef`` fields.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import Iterable, Sequence
 
-__all__ = ["dtype_bytes", 
-    "GraphError", "GraphModel", "is_variable_op", "parse_input", "parse_device_spec",
-    "DeviceMatcher", "verify_graph_def", "output_dtype", "tensor_bytes",
-]
+__all__ = ["GraphError", "GraphModel", "is_variable_op", "parse_input", "dtype_bytes",
+           "output_dtype", "tensor_bytes", "LOOP_BACK_EDGE_OPS", "RESOURCE_HANDLE_OPS"]
 
 # Edges out of these ops close TF1 while loops; they are not ordering constraints.
 LOOP_BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
@@ -39,64 +35,6 @@ def parse_input(text: str) -> tuple[str, int, bool]:
     if sep and slot.isdigit():
         return name, int(slot), False
     return text, 0, False
-
-
-_DEVICE_FIELD = re.compile(r"/(job|replica|task|device|cpu|gpu|CPU|GPU):?([^/]*)")
-
-
-def parse_device_spec(spec: str) -> dict[str, str]:
-    """Parses "/job:ps/replica:0/task:1/device:CPU:0" (any subset of fields) into a dict.
-
-    Keys: job, replica, task, type, index. Legacy "/cpu:0" and "/gpu:0" are accepted.
-
-    Raises:
-      ValueError: the text is not a device spec.
-    """
-    fields: dict[str, str] = {}
-    position = 0
-    spec = spec.strip()
-    while position < len(spec):
-        match = _DEVICE_FIELD.match(spec, position)
-        if match is None:
-            raise ValueError(f"{spec!r} is not a device spec like '/job:ps' or "
-                             "'/job:ps/task:0/device:CPU:0'")
-        key, value = match.group(1), match.group(2)
-        if key == "device":
-            device_type, _, index = value.partition(":")
-            fields["type"] = device_type.upper()
-            if index:
-                fields["index"] = index
-        elif key.lower() in ("cpu", "gpu"):
-            fields["type"] = key.upper()
-            if value:
-                fields["index"] = value
-        else:
-            fields[key] = value
-        position = match.end()
-    if not fields:
-        raise ValueError(f"{spec!r} is not a device spec like '/job:ps'")
-    return fields
-
-
-class DeviceMatcher:
-    """Says whether a node's device matches any of several partial device specs."""
-
-    def __init__(self, specs: str | Sequence[str]):
-        if isinstance(specs, str):
-            specs = [s for s in specs.split(",") if s.strip()]
-        self._specs = [parse_device_spec(s) for s in specs]
-        self._cache: dict[str, bool] = {}
-
-    def __call__(self, device: str) -> bool:
-        if device not in self._cache:
-            if not device:
-                self._cache[device] = False
-            else:
-                fields = parse_device_spec(device)
-                self._cache[device] = any(
-                    all(fields.get(key) == value for key, value in spec.items())
-                    for spec in self._specs)
-        return self._cache[device]
 
 
 @dataclasses.dataclass
@@ -200,34 +138,6 @@ class GraphModel:
             stuck = next(v for v in range(self.num_nodes) if indegree[v] > 0)
             raise GraphError(f"the graph has a cycle through node {self.names[stuck]!r}")
         return order
-
-
-def verify_graph_def(graph_def, preserve: Iterable[str] = ()) -> None:
-    """The invariants every pass output must satisfy.
-
-    Every input names a node, control inputs follow data inputs and are not repeated, the
-    graph is acyclic (TF1 loop back-edges aside), and every node in ``preserve`` exists.
-
-    Raises:
-      GraphError: naming the first violation.
-    """
-    model = GraphModel.from_graph_def(graph_def)
-    for node in graph_def.node:
-        seen_control = False
-        controls: set[str] = set()
-        for text in node.input:
-            if text.startswith("^"):
-                seen_control = True
-                if text in controls:
-                    raise GraphError(f"node {node.name!r} lists control input {text!r} twice")
-                controls.add(text)
-            elif seen_control:
-                raise GraphError(f"node {node.name!r} has data input {text!r} after a "
-                                 "control input")
-    missing = [name for name in preserve if name not in model.index]
-    if missing:
-        raise GraphError(f"node {missing[0]!r}, which must be preserved, is gone")
-    model.topological_order()
 
 
 # Bytes per element of TensorFlow's DataType enum values (ref types are value + 100).

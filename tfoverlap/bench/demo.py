@@ -20,7 +20,7 @@ DEMO_HOROVOD_MODEL = "resnet50"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tfoverlap.demo",
+    parser = argparse.ArgumentParser(prog="python -m tfoverlap.bench.demo",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=DEMO_MODELS)
     parser.add_argument("--horovod-model", default=DEMO_HOROVOD_MODEL)
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
     import tensorflow as tf
     import tfoverlap
-    from tfoverlap.bench import horovod, ps
+    from tfoverlap.bench import allreduce, ps
     print(f"tfoverlap {tfoverlap.__version__} with TensorFlow {tf.__version__}: a short PS "
           f"benchmark ({args.models}, {args.rounds} rounds), then a short Horovod one "
           f"({args.horovod_model}); progress on stderr", flush=True)
@@ -38,9 +38,9 @@ def main(argv=None) -> int:
                       "--traces", "2", "--out", args.out])
     if status:
         return status
-    return horovod.main(["--models", args.horovod_model, "--bandwidths", "1Gbit",
-                         "--rounds", str(args.rounds), "--steps", "2", "--no-autotune",
-                         "--out", os.path.join(args.out, "horovod")])
+    return allreduce.main(["--models", args.horovod_model, "--bandwidths", "1Gbit",
+                           "--rounds", str(args.rounds), "--steps", "2", "--no-autotune",
+                           "--out", os.path.join(args.out, "horovod")])
 
 
 if __name__ == "__main__":

@@ -1,22 +1,17 @@
-"""The pass pipeline: which passes run, in what order, checked after each, fail-open.
-
-A pass is a plain function ``(graph_def, context) -> PassResult``. It never mutates its
-input, and running it on its own output changes nothing (``modified=False``). The plugin
-and :func:`tfoverlap.optimize` both end in :func:`run_pipeline`.
-"""
+"""What every pass shares: its context, its result, the report of a pipeline run, and the
+bounded log of recent reports that ``tfoverlap.recent_reports()`` shows."""
 from __future__ import annotations
 
+import collections
 import dataclasses
-import logging
-from typing import Any, Callable
+import threading
+from typing import Any
 
-from tfoverlap.graph_model import GraphError, parse_input, verify_graph_def
+from tfoverlap.graph.model import parse_input
 from tfoverlap.options import Options
 
-__all__ = ["PassContext", "PassResult", "PassReport", "Report", "PassFailure",
-           "select_passes", "run_pipeline"]
-
-logger = logging.getLogger("tfoverlap")
+__all__ = ["PassContext", "PassResult", "PassReport", "Report", "PassFailure", "ReportLog",
+           "recent_reports", "REPORTS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,48 +95,27 @@ class PassFailure(RuntimeError):
     """A pass raised or produced an invalid graph, and strict mode was on."""
 
 
-Pass = Callable[[Any, PassContext], PassResult]
+class ReportLog:
+    """The latest reports of this process, oldest first; bounded and thread-safe (Grappler
+    calls the plugin from TensorFlow's threads, a long job produces reports forever)."""
+
+    def __init__(self, capacity: int = 256):
+        self._reports: collections.deque = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def append(self, report: Report) -> None:
+        with self._lock:
+            self._reports.append(report)
+
+    def snapshot(self) -> list[Report]:
+        with self._lock:
+            return list(self._reports)
 
 
-def select_passes(options: Options) -> list[tuple[str, Pass]]:
-    """The passes that ``options`` switch on, in the order they run."""
-    passes: list[tuple[str, Pass]] = []
-    if options.schedule != "none":
-        from tfoverlap.tictac_pass import tictac_pass
-        passes.append(("tictac", tictac_pass))
-    if options.allreduce == "caramel":
-        from tfoverlap.caramel_pass import caramel_pass
-        passes.append(("caramel", caramel_pass))
-    return passes
+REPORTS = ReportLog()
 
 
-def run_pipeline(graph_def, context: PassContext):
-    """Runs the selected passes; returns (graph_def, Report).
-
-    Every pass output is verified (acyclic, inputs resolve, preserved nodes kept). If a
-    pass raises or fails verification, one warning names the pass and the reason and the
-    *input* graph is returned unchanged — unless ``options.strict``, which raises
-    :class:`PassFailure`.
-    """
-    report = Report(item_id=context.item_id, source=context.source,
-                    num_nodes=len(graph_def.node))
-    current = graph_def
-    for name, graph_pass in select_passes(context.options):
-        try:
-            result = graph_pass(current, context)
-            if result.modified:
-                verify_graph_def(result.graph_def, context.preserved_nodes)
-        except Exception as error:  # noqa: BLE001 - fail-open is the point
-            reason = (f"its result is invalid: {error}" if isinstance(error, GraphError)
-                      else f"{type(error).__name__}: {error}")
-            report.passes.append(PassReport(name, False, {}, error=reason))
-            report.reverted = True
-            if context.options.strict:
-                raise PassFailure(f"tfoverlap pass {name!r} failed: {reason}") from error
-            logger.warning("tfoverlap: pass %r failed (%s); the graph %sis left unchanged "
-                           "and training continues", name, reason,
-                           f"{context.item_id!r} " if context.item_id else "")
-            return graph_def, report
-        report.passes.append(PassReport(name, result.modified, result.summary))
-        current = result.graph_def
-    return current, report
+def recent_reports() -> list[Report]:
+    """Reports of the latest pipeline runs in this process (the Grappler plugin's and the
+    Horovod wrappers'), oldest first."""
+    return REPORTS.snapshot()

@@ -1,4 +1,5 @@
-"""The one place that touches TensorFlow internals that have no public API."""
+"""The Grappler config of TF2 ``tf.function`` graphs, which TensorFlow keeps in a private
+per-thread context: the one place that touches TensorFlow internals with no public API."""
 from __future__ import annotations
 
 __all__ = ["get_function_config", "set_function_config"]

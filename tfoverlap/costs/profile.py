@@ -1,8 +1,8 @@
-"""Costs for the schedulers: profiles of real steps, and estimates where they are missing.
+"""Profiles of real steps: measuring them (``profile``), and their file format.
 
 A profile is a versioned JSON file: per-op compute seconds (keyed by node name) and
 per-transfer seconds and bytes (keyed by the name of the PS-side source node), medians over
-the profiled steps. ``tfoverlap.profiling`` writes them from traced steps.
+the profiled steps.
 """
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from typing import Mapping
 
+from tfoverlap.costs.trace import device_filter, op_durations, recv_events
+
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileError", "load_profile",
-           "save_profile", "ring_allreduce_seconds"]
+           "save_profile", "profile"]
 
 PROFILE_FORMAT = "tfoverlap-profile"
 PROFILE_VERSION = 1
@@ -88,15 +91,41 @@ def load_profile(path: str) -> Profile:
                    metadata=data.get("metadata", {}))
 
 
-def estimate_transfer_seconds(num_bytes: int | None, bandwidth: float) -> float:
-    """bytes / bandwidth; an unknown size counts as one 4-byte scalar."""
-    return (num_bytes if num_bytes is not None else 4) / bandwidth
+def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
+            path: str | None = None, worker_device: str = "/job:worker") -> Profile:
+    """Runs ``warmup + steps`` steps, the last ``steps`` with full tracing.
 
-
-def ring_allreduce_seconds(num_bytes, ranks: int, bandwidth: float, latency: float):
-    """Time of a ring AllReduce of ``num_bytes`` over ``ranks`` ranks (alpha-beta model):
-    ``2 (n-1) latency + 2 (n-1)/n * bytes / bandwidth``; 0 for one rank. Works elementwise
-    on numpy arrays of sizes."""
-    if ranks <= 1:
-        return num_bytes * 0.0
-    return 2 * (ranks - 1) / ranks * num_bytes / bandwidth + 2 * (ranks - 1) * latency
+    Per-op compute times come from the worker devices' node stats, per-transfer times and
+    sizes from its RecvTensor events (keyed by the PS-side source node); each is the median
+    over the traced steps. Run it with the schedule you will compare against switched off
+    (or on: the pass adds no nodes, so names match). If ``path`` is given, the profile is
+    written there for the ``profile=`` option.
+    """
+    import tensorflow as tf
+    if steps < 1 or warmup < 0:
+        raise ValueError("profile needs steps >= 1 and warmup >= 0")
+    for _ in range(warmup):
+        session.run(fetches, feed_dict=feed_dict)
+    op_samples: dict[str, list[float]] = {}
+    transfer_samples: dict[str, list[float]] = {}
+    transfer_bytes: dict[str, int] = {}
+    on_worker = device_filter(worker_device)
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    for _ in range(steps):
+        metadata = tf.compat.v1.RunMetadata()
+        session.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
+        for name, micros in op_durations(metadata, worker_device).items():
+            op_samples.setdefault(name, []).append(micros * 1e-6)
+        for event in recv_events(metadata):
+            if on_worker(event.destination_device) and event.bytes > 0:
+                transfer_samples.setdefault(event.source, []).append(
+                    event.duration_micros * 1e-6)
+                transfer_bytes[event.source] = event.bytes
+    result = Profile(
+        op_seconds={k: statistics.median(v) for k, v in op_samples.items()},
+        transfer_seconds={k: statistics.median(v) for k, v in transfer_samples.items()},
+        transfer_bytes=transfer_bytes, steps=steps,
+        metadata={"tensorflow": tf.__version__, "worker_device": worker_device})
+    if path:
+        save_profile(result, path)
+    return result

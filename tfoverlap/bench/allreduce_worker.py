@@ -1,6 +1,6 @@
 """One rank of the Horovod benchmark: builds every variant's graph, then times them in turns.
 
-Run by :mod:`tfoverlap.bench.horovod` as a Horovod job (one rank per emulated host). All
+Run by :mod:`tfoverlap.bench.allreduce` as a Horovod job (one rank per emulated host). All
 ranks run the same schedule, so the AllReduces keep them in step; rank 0 prints one JSON
 line with every variant's step times and what Caramel planned.
 

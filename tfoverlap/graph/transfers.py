@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from tfoverlap.graph_model import RESOURCE_HANDLE_OPS, GraphModel
+from tfoverlap.graph.model import RESOURCE_HANDLE_OPS, GraphModel
 
 __all__ = ["Transfer", "find_transfers"]
 

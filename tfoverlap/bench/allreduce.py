@@ -5,7 +5,7 @@ links) and runs two Horovod (Gloo) jobs, one rank per host:
 
 - one job holds the graphs of ``horovod``, ``ddp25``, ``caramel``, ``compute_only`` and
   ``comm_only`` side by side and times them in turns, block by block, rotated every round
-  (:mod:`tfoverlap.bench.horovod_worker`), so a slow phase of the shared machine hits all
+  (:mod:`tfoverlap.bench.allreduce_worker`), so a slow phase of the shared machine hits all
   of them alike;
 - ``HOROVOD_AUTOTUNE=1`` is process-wide, so ``autotune`` runs in a second job right after
   (tuning during its warm-up steps) and is compared with the first job's ``horovod``.
@@ -13,7 +13,7 @@ links) and runs two Horovod (Gloo) jobs, one rank per host:
 Speed-ups are medians over the steps of both ranks' lock-stepped job (rank 0's clock),
 with 95% bootstrap intervals. Results go to CSV, Markdown, JSON and a PNG.
 
-    sudo .venv/bin/python -m tfoverlap.bench.horovod --out out/horovod
+    sudo .venv/bin/python -m tfoverlap.bench.allreduce --out out/horovod
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ AUTOTUNE_WARMUP = 24       # training steps for autotune to settle before it is 
 
 
 def _worker_job(network, argv: list[str], env: dict, timeout: float, log_path: str) -> dict:
-    from tfoverlap.testbed.horovod import run_horovod
-    command = [sys.executable, "-m", "tfoverlap.bench.horovod_worker"] + argv
+    from tfoverlap.testbed.horovod_launch import run_horovod
+    command = [sys.executable, "-m", "tfoverlap.bench.allreduce_worker"] + argv
     result = run_horovod(network, 2, command, "gloo", env=env, timeout=timeout)
     with open(log_path, "w") as log:
         for rank, output in enumerate(result.outputs):
@@ -138,7 +138,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tfoverlap.bench.horovod",
+    parser = argparse.ArgumentParser(prog="python -m tfoverlap.bench.allreduce",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50,vgg16,inception_v3,transformer")
     parser.add_argument("--bandwidths", default="1Gbit,10Gbit")

@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 
 import numpy as np
 
-from tfoverlap.cost_model import ring_allreduce_seconds
-from tfoverlap.graph_model import GraphModel, is_variable_op, tensor_bytes
+from tfoverlap.costs.network import ring_allreduce_seconds
+from tfoverlap.costs.profile import load_profile
+from tfoverlap.costs.static import OP_OVERHEAD_SECONDS, static_costs
+from tfoverlap.graph.model import GraphModel, is_variable_op, tensor_bytes
+from tfoverlap.log import warn_once
 from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR
 from tfoverlap.schedulers.caramel import (HOROVOD_FUSION_BYTES, Bucket,
                                           horovod_default_buckets, plan_buckets)
-from tfoverlap.simulator import COLLECTIVE, COMPUTE, Problem, simulate
+from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 
 __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradients",
-           "bucket_problem", "plan_allreduce", "is_planned_allreduce"]
+           "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
+           "resolve_ranks", "request_latency"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 SPLIT_BYTES = 64e6      # gradients larger than this are planned in pieces
@@ -229,3 +235,62 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
     if step(fused) < step(caramel):
         caramel.buckets = fused.buckets
     return caramel
+
+
+def resolve_ranks(requested: int) -> int:
+    """``requested``, or the job's size: Horovod's if it is initialized in this process,
+    else the launcher's environment; 1 if nothing says."""
+    if requested:
+        return requested
+    horovod = sys.modules.get("horovod.tensorflow")
+    if horovod is not None:
+        try:
+            return int(horovod.size())
+        except (ValueError, RuntimeError):
+            pass
+    for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if os.environ.get(variable, "").isdigit():
+            return int(os.environ[variable])
+    return 1
+
+
+def request_latency(latency: float, ranks: int) -> float:
+    """The alpha to plan with: the ring's per-step latency plus Horovod's cycle, spread over
+    the ring's 2 (n-1) steps. Each bucket waits for the one before it, so it is announced
+    just after a cycle began and waits about one cycle (HOROVOD_CYCLE_TIME, ms) to start."""
+    try:
+        cycle = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1e3
+    except ValueError:
+        cycle = 1e-3
+    return latency + (cycle / (2 * (ranks - 1)) if ranks > 1 else 0.0)
+
+
+def _op_costs(graph_def, options) -> tuple[dict, dict, str]:
+    """(op seconds, known tensor sizes, where the times came from)."""
+    sizes: dict = {}
+    try:
+        estimate = static_costs(graph_def, options.flops)
+        sizes = estimate.tensor_bytes
+    except Exception as error:  # noqa: BLE001 - TensorFlow cannot import it: unit costs
+        warn_once(f"tfoverlap: Caramel cannot estimate op times ({type(error).__name__}: "
+                  f"{error}); it orders by graph structure with equal op costs")
+        estimate = None
+    if options.profile:
+        profile = load_profile(options.profile)
+        return dict(profile.op_seconds), sizes, "profile"
+    if estimate is None:
+        return ({node.name: OP_OVERHEAD_SECONDS for node in graph_def.node}, sizes,
+                "unit costs")
+    return estimate.op_seconds, sizes, "static estimate"
+
+
+def plan_for_graph(graph_def, options):
+    """(plan, ranks, where the op times came from): exactly what the pass plans for
+    ``graph_def`` under ``options``; ``tfoverlap schedule --algo caramel`` shows it."""
+    ranks = resolve_ranks(options.ranks)
+    threads = os.cpu_count() or 1
+    op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
+    plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth,
+                          request_latency(options.latency, ranks), op_seconds, threads,
+                          options.split_bytes, tensor_sizes, options.bucket_bytes)
+    return plan, ranks, source

@@ -11,10 +11,6 @@ them one at a time in a random order; the result is the median over ``seeds`` or
 ``tic`` and ``tac`` (the order the TicTac pass plans, enforced the way the pass does: the
 read of transfer k+window waits for the arrival of transfer k, plus the control message
 back to the PS).
-
-Graphs with Horovod AllReduce ops and no PS are simulated with the ring model instead:
-the buckets of Horovod's own fusion (``default``) or of Caramel's plan (``caramel``) are
-reduced one after another, each ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency``.
 """
 from __future__ import annotations
 
@@ -23,67 +19,17 @@ import statistics
 
 import numpy as np
 
-from tfoverlap.caramel_plan import ALLREDUCE_OP
-from tfoverlap.cost_model import Profile
-from tfoverlap.graph_model import (RESOURCE_HANDLE_OPS, DeviceMatcher, GraphModel,
-                                   is_variable_op, parse_device_spec, tensor_bytes)
-from tfoverlap.options import Options
-from tfoverlap.passes import PassContext
-from tfoverlap.simulator import COMPUTE, TRANSFER, Problem, lower_bound, serial_sum, simulate
-from tfoverlap.tictac_pass import plan_transfer_order
+from tfoverlap.costs.profile import Profile
+from tfoverlap.graph.devices import DeviceMatcher, parse_device_spec
+from tfoverlap.graph.model import RESOURCE_HANDLE_OPS, GraphModel, is_variable_op, tensor_bytes
+from tfoverlap.options import parse_options
+from tfoverlap.planning.tictac import plan_transfer_order
+from tfoverlap.sim.engine import COMPUTE, TRANSFER, Problem, lower_bound, serial_sum, simulate
+from tfoverlap.sim.scenario import Prediction, Scenario, SimulationError
 
-__all__ = ["Scenario", "Prediction", "ALGORITHMS", "predict", "prune_to_fetches",
-           "SimulationError"]
+__all__ = ["PS_ALGORITHMS", "predict_ps"]
 
-ALGORITHMS = ("default", "tic", "tac")
-ALLREDUCE_ALGORITHMS = ("default", "caramel")
-
-
-class SimulationError(ValueError):
-    """The graph or the scenario cannot be simulated (no parameters, bad option, ...)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    workers: int = 2
-    bandwidth: float = 312.5e6     # bytes/s per link and direction
-    latency: float = 100e-6        # seconds per transfer message
-    threads: int = 2               # a worker's inter-op threads
-    window: int = 1
-    seeds: int = 16
-    ps_devices: str = "/job:ps"
-    ps_tasks: int = 0              # > 0: spread the variables over this many PS tasks
-    chunk_bytes: float = 16e6      # see simulator.Problem.chunk_bytes (fitted: docs)
-
-    def validate(self) -> None:
-        if self.workers < 1:
-            raise SimulationError(f"workers must be >= 1, got {self.workers}")
-        if not self.bandwidth > 0 or self.bandwidth == float("inf"):
-            raise SimulationError(f"bandwidth must be positive, got {self.bandwidth}")
-        if self.latency < 0:
-            raise SimulationError(f"latency must be >= 0, got {self.latency}")
-        if self.threads < 1 or self.window < 1 or self.seeds < 1:
-            raise SimulationError("threads, window and seeds must be >= 1")
-        if not self.chunk_bytes > 0:
-            raise SimulationError(f"chunk size must be positive, got {self.chunk_bytes}")
-        if self.ps_tasks < 0:
-            raise SimulationError(f"ps tasks must be >= 1 (0: as placed), got {self.ps_tasks}")
-
-
-@dataclasses.dataclass
-class Prediction:
-    algorithm: str
-    iteration: float       # predicted seconds
-    comm: float            # the same iteration with zero compute
-    comp: float            # the same iteration with free transfers
-    lower: float           # no schedule can beat this
-    upper: float           # serial sum
-    transfers: int
-
-    @property
-    def efficiency(self) -> float:
-        upper, lower = self.comm + self.comp, max(self.comm, self.comp)
-        return float("nan") if upper == lower else (upper - self.iteration) / (upper - lower)
+PS_ALGORITHMS = ("default", "tic", "tac")
 
 
 @dataclasses.dataclass
@@ -244,10 +190,10 @@ def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
 def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
                 profile_path: str) -> tuple[list[tuple[int, int]], int]:
     """The pass's enforcement as task edges: arrival of k -> control message -> read k+w."""
-    options = Options(schedule=algorithm, window=scenario.window,
-                      ps_devices=scenario.ps_devices, profile=profile_path,
-                      bandwidth=scenario.bandwidth)
-    _, transfers, orders, _, _, _ = plan_transfer_order(graph_def, PassContext(options=options))
+    options = parse_options({"schedule": algorithm, "window": scenario.window,
+                             "ps_devices": scenario.ps_devices, "profile": profile_path,
+                             "bandwidth": scenario.bandwidth}, check_files=False)
+    _, transfers, orders, _, _, _ = plan_transfer_order(graph_def, options)
     order = orders.get(graph.worker_device) or next(iter(orders.values()), [])
     sources = [transfers[t].source for t in order]
     edges = []
@@ -259,49 +205,9 @@ def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
     return edges, len(sources)
 
 
-def prune_to_fetches(graph_def, fetches):
-    """The part of ``graph_def`` that running ``fetches`` (node names) executes."""
-    model = GraphModel.from_graph_def(graph_def)
-    roots = []
-    for name in fetches:
-        node = model.index.get(name.split(":")[0].lstrip("^"))
-        if node is None:
-            raise SimulationError(f"fetch {name!r} is not a node of the graph")
-        roots.append(node)
-    keep = set(roots)
-    stack = list(roots)
-    while stack:
-        for pred in model.predecessors(stack.pop()):
-            if pred not in keep:
-                keep.add(pred)
-                stack.append(pred)
-    pruned = type(graph_def)()
-    pruned.versions.CopyFrom(graph_def.versions)
-    pruned.library.CopyFrom(graph_def.library)
-    pruned.node.extend(node for i, node in enumerate(graph_def.node) if i in keep)
-    return pruned
-
-
-def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profile | None = None,
-            profile_path: str = "", fetches=()) -> list[Prediction]:
-    """Predicted iteration time, comm, comp and bounds of each algorithm.
-
-    ``fetches``: simulate only what running these nodes executes (default: the whole graph).
-    """
-    scenario.validate()
-    if fetches:
-        graph_def = prune_to_fetches(graph_def, fetches)
-    if any(node.op == ALLREDUCE_OP for node in graph_def.node) and not any(
-            DeviceMatcher(scenario.ps_devices)(node.device) for node in graph_def.node):
-        unknown = [a for a in algorithms if a not in ALLREDUCE_ALGORITHMS]
-        if unknown:
-            raise SimulationError(f"{unknown[0]!r} does not apply to AllReduce (Horovod) "
-                                  f"graphs; choose from {ALLREDUCE_ALGORITHMS}")
-        return [_predict_allreduce(graph_def, scenario, a, profile) for a in algorithms]
-    unknown = [a for a in algorithms if a not in ALGORITHMS]
-    if unknown:
-        raise SimulationError(f"{unknown[0]!r} does not apply to parameter-server graphs; "
-                              f"choose from {ALGORITHMS}")
+def predict_ps(graph_def, scenario: Scenario, algorithms=PS_ALGORITHMS,
+               profile: Profile | None = None, profile_path: str = "") -> list[Prediction]:
+    """Predicted iteration time, comm, comp and bounds of each algorithm on a PS graph."""
     graph = _PsGraph(graph_def, scenario, profile)
     if not graph.pull_of_source:
         raise SimulationError("the graph has no parameter transfers to the worker "
@@ -329,23 +235,3 @@ def predict(graph_def, scenario: Scenario, algorithms=ALGORITHMS, profile: Profi
             comm=comm.makespan, comp=comp.makespan, lower=lower_bound(problem),
             upper=serial_sum(problem), transfers=count))
     return predictions
-
-
-def _predict_allreduce(graph_def, scenario: Scenario, algorithm: str, profile) -> Prediction:
-    """One iteration of a Horovod graph: the plan's buckets reduced one after another on
-    Horovod's background thread, each a ring AllReduce over ``workers`` ranks."""
-    from tfoverlap.caramel_plan import bucket_problem, plan_allreduce
-    op_seconds = profile.op_seconds if profile else {}
-    network = (scenario.workers, scenario.bandwidth, scenario.latency)
-    plan = plan_allreduce(graph_def, algorithm, *network, op_seconds, scenario.threads)
-
-    def run(compute_scale: float = 1.0, collective_scale: float = 1.0) -> Problem:
-        return bucket_problem(plan, op_seconds, *network, scenario.threads, compute_scale,
-                              collective_scale)
-
-    problem = run()
-    return Prediction(algorithm=algorithm, iteration=simulate(problem).makespan,
-                      comm=simulate(run(compute_scale=0.0)).makespan,
-                      comp=simulate(run(collective_scale=0.0)).makespan,
-                      lower=lower_bound(problem), upper=serial_sum(problem),
-                      transfers=len(plan.buckets))

@@ -1,0 +1,6 @@
+"""``python -m tfoverlap``: the same as the ``tfoverlap`` command."""
+import sys
+
+from tfoverlap.cli import main
+
+sys.exit(main())

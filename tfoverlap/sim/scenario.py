@@ -1,0 +1,53 @@
+"""What a what-if simulation is asked (a Scenario) and what it answers (a Prediction)."""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Scenario", "Prediction", "SimulationError"]
+
+
+class SimulationError(ValueError):
+    """The graph or the scenario cannot be simulated (no parameters, bad option, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    workers: int = 2
+    bandwidth: float = 312.5e6     # bytes/s per link and direction
+    latency: float = 100e-6        # seconds per transfer message
+    threads: int = 2               # a worker's inter-op threads
+    window: int = 1
+    seeds: int = 16
+    ps_devices: str = "/job:ps"
+    ps_tasks: int = 0              # > 0: spread the variables over this many PS tasks
+    chunk_bytes: float = 16e6      # see simulator.Problem.chunk_bytes (fitted: docs)
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise SimulationError(f"workers must be >= 1, got {self.workers}")
+        if not self.bandwidth > 0 or self.bandwidth == float("inf"):
+            raise SimulationError(f"bandwidth must be positive, got {self.bandwidth}")
+        if self.latency < 0:
+            raise SimulationError(f"latency must be >= 0, got {self.latency}")
+        if self.threads < 1 or self.window < 1 or self.seeds < 1:
+            raise SimulationError("threads, window and seeds must be >= 1")
+        if not self.chunk_bytes > 0:
+            raise SimulationError(f"chunk size must be positive, got {self.chunk_bytes}")
+        if self.ps_tasks < 0:
+            raise SimulationError(f"ps tasks must be >= 1 (0: as placed), got {self.ps_tasks}")
+
+
+@dataclasses.dataclass
+class Prediction:
+    algorithm: str
+    iteration: float       # predicted seconds
+    comm: float            # the same iteration with zero compute
+    comp: float            # the same iteration with free transfers
+    lower: float           # no schedule can beat this
+    upper: float           # serial sum
+    transfers: int
+
+    @property
+    def efficiency(self) -> float:
+        upper, lower = self.comm + self.comp, max(self.comm, self.comp)
+        return float("nan") if upper == lower else (upper - self.iteration) / (upper - lower)
