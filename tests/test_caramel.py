@@ -126,6 +126,36 @@ def test_plans_depend_on_the_network(horovod_graph):
     assert costly_messages["plan_digest"] != overlapping["plan_digest"]
 
 
+def test_plans_are_functions_of_the_options_not_of_the_host(horovod_graph, monkeypatch):
+    """Two hosts with other CPU counts and HOROVOD_CYCLE_TIME plan alike once the options
+    carry rank 0's facts (as the wrappers set them); the facts show in the summary."""
+    plans = []
+    for cpus, cycle in ((2, "1"), (96, "5")):
+        monkeypatch.setattr(os, "cpu_count", lambda cpus=cpus: cpus)
+        monkeypatch.setenv("HOROVOD_CYCLE_TIME", cycle)
+        plans.append(_rewrite(horovod_graph, threads=4, cycle_ms=2)[1].passes[0].summary)
+    assert plans[0]["plan_digest"] == plans[1]["plan_digest"]
+    assert plans[0]["threads"] == 4
+    # Left to each host, the cycle enters the plan: a slow cycle merges buckets.
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "500")
+    slow = _rewrite(horovod_graph, threads=4, latency=0.0, bandwidth="1Gbit")[1]
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "0.01")
+    fast = _rewrite(horovod_graph, threads=4, latency=0.0, bandwidth="1Gbit")[1]
+    assert slow.passes[0].summary["buckets"] < fast.passes[0].summary["buckets"]
+
+
+def test_an_unknown_rank_count_is_a_warning(horovod_graph, monkeypatch, caplog):
+    import logging
+    for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.delitem(sys.modules, "horovod.tensorflow", raising=False)
+    monkeypatch.setattr("tfoverlap.log._said", set())      # said before by another test
+    caplog.set_level(logging.WARNING, logger="tfoverlap")
+    from tfoverlap.planning.caramel import resolve_ranks
+    assert resolve_ranks(0) == 1
+    assert any("cannot tell how many Horovod ranks" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("options, message", [
     ({"allreduce": "fastest"}, "option 'allreduce'"),
     ({"latency": -1}, "option 'latency'"),
@@ -218,6 +248,25 @@ def test_caramel_trains_exactly_like_horovod(network, ranks, controller, variant
     # ranks planned the same buckets.
     digests = {reports[(r, variants[1])]["plan"]["plan_digest"] for r in range(ranks)}
     assert len(digests) == 1
+
+
+@pytest.mark.parametrize("mode", ["graph", "tf2"])
+def test_caramel_trains_a_model_with_control_flow_exactly_like_horovod(network, mode):
+    """A while loop reading a weight in every iteration and a cond whose branch alternates:
+    the flag and the drop-in train with plain Horovod's losses, every rank the same plan."""
+    env = {"CARAMEL_TEST_MODEL": "control_flow"}
+    variants = ["horovod", "flag", "dropin"]
+    reports = _reports(_job(network, 2, "gloo", [mode, "4"] + variants, env=env), 2)
+    for rank in (0, 1):
+        plain = reports[(rank, "horovod")]["losses"]
+        assert len(plain) == 4 and np.isfinite(plain).all()
+        for variant in variants[1:]:
+            record = reports[(rank, variant)]
+            assert record["plan"] and record["plan"]["allreduces"] == 5, record
+            np.testing.assert_allclose(record["losses"], plain, rtol=1e-5,
+                                       err_msg=f"rank {rank} {variant}")
+    for variant in variants[1:]:
+        assert len({reports[(r, variant)]["plan"]["plan_digest"] for r in (0, 1)}) == 1
 
 
 def test_backward_order_is_fixed_and_the_same_on_every_rank(network):

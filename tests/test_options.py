@@ -49,6 +49,8 @@ def test_rewriter_config_text_parses_back():
     ({"bandwidth": "10 furlongs"}, "bandwidth '10 furlongs' is not understood"),
     ({"strict": "maybe"}, "option 'strict' must be true or false"),
     ({"ps_devices": "ps"}, "is not a device spec"),
+    ({"threads": -1}, "option 'threads' must be 0"),
+    ({"cycle_ms": -2}, "option 'cycle_ms' must be non-negative"),
     ({"profile": "/nonexistent/profile.json"}, "does not exist"),
 ])
 def test_bad_options_are_value_errors_naming_the_problem(options, message):
@@ -95,3 +97,19 @@ def test_grappler_sees_an_invalid_option_written_by_hand_and_keeps_the_graph(cap
     with tf.compat.v1.Session(graph=graph, config=config) as sess:
         assert sess.run(out) == 18.0
     assert any("option 'window' must be at least 1" in r.getMessage() for r in caplog.records)
+
+
+def test_devices_match_field_by_field_everywhere():
+    """task:1 is not task:10, in option specs and in traced device names alike."""
+    from tensorflow.core.framework import step_stats_pb2
+    from tfoverlap.costs.trace import op_durations
+    from tfoverlap.graph.devices import DeviceMatcher
+    matches = DeviceMatcher("/job:worker/task:1")
+    assert matches("/job:worker/replica:0/task:1/device:CPU:0")
+    assert not matches("/job:worker/replica:0/task:10/device:CPU:0")
+    assert matches("/job:worker/replica:0/task:1/device:GPU:0/stream:all")
+    stats = step_stats_pb2.StepStats()
+    for task, name in ((1, "mine"), (10, "other")):
+        device = stats.dev_stats.add(device=f"/job:worker/replica:0/task:{task}/device:CPU:0")
+        device.node_stats.add(node_name=name, op_start_rel_micros=0, op_end_rel_micros=5)
+    assert op_durations(stats, "/job:worker/task:1") == {"mine": 5}

@@ -113,6 +113,22 @@ def test_strict_mode_raises_offline_and_reports_an_error_to_grappler():
         "purpose" in result.stderr
 
 
+def test_an_unwritable_report_dir_is_a_warning_and_the_rewrite_stands(tmp_path, caplog):
+    blocked = tmp_path / "a-file-not-a-directory"
+    blocked.write_text("")
+    model = local_chain()
+    caplog.set_level(logging.WARNING, logger="tfoverlap")
+    config = local_config(schedule="tic", report_dir=str(blocked / "reports"))
+    with tf.compat.v1.Session(graph=model.graph, config=config) as sess:
+        sess.run(model.init)
+        sess.run(model.loss)
+    _, entry = latest_report_with_transfers()
+    assert entry.summary["ordering_edges"] == 7
+    assert any(r.modified for r in tfoverlap.recent_reports()[-2:])   # Grappler's 2 rounds
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfoverlap"]
+    assert any("cannot write reports" in w and "the rewrite stands" in w for w in warnings)
+
+
 def test_loading_twice_and_a_second_copy_do_not_abort(tmp_path):
     copy = tmp_path / "copy_of_plugin.so"
     copy.write_bytes(open(library_path(), "rb").read())

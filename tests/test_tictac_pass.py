@@ -109,11 +109,11 @@ def test_gates_never_wait_for_later_transfers_in_shared_consumers():
     (order,) = report.passes[0].summary["order"].values()
     # TIC: b and c unblock an op with two transfers (M+ 2), a only with three.
     assert set(order[:2]) == {"b/read", "c/read"} and order[2] == "a/read"
-    # The first of b, c has no valid gate (its consumer needs the second); the second's
-    # transfer is therefore not gated, and b_times_c gates a.
+    # The first of b, c has no valid consumer gate (its consumer needs the second): its
+    # arrival gates the second; b_times_c gates a.
     gates = {n.name: [g.decode() for g in n.attr[GATES_ATTR].list.s] for n in new.node
              if GATES_ATTR in n.attr}
-    assert gates == {"a/read": ["b_times_c"]}
+    assert gates == {order[1]: [f"tfoverlap/arrived/0/{order[0]}"], "a/read": ["b_times_c"]}
 
 
 def write_profile(path, op_seconds, transfer_seconds):
@@ -200,3 +200,25 @@ def test_random_graphs_stay_acyclic_and_keep_every_dependency(seed, num_variable
         assert all(text.startswith("^") for text in node.input[len(before):])
     again, second = tfoverlap.optimize(new, schedule=schedule, window=window, gate=gate)
     assert not second.modified
+
+
+@pytest.mark.parametrize("schedule", ["tic", "tac"])
+def test_a_source_computed_from_another_source_is_ordered_after_it(schedule):
+    """A PS-side chain: ``scaled`` is computed on the PS from ``read``, and the worker's first
+    op needs only ``scaled``. Ordering ``scaled`` first would make ``read`` wait for the
+    arrival of a tensor computed from it: a cycle."""
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/job:ps/task:0"):
+            kernel = tf.compat.v1.get_variable("kernel", [64, 64])
+            read = tf.identity(kernel, name="read")
+            scaled = tf.multiply(read, 2.0, name="scaled")
+        with tf.device("/job:worker/task:0"):
+            hidden = tf.matmul(tf.ones([4, 64]), scaled)
+            for _ in range(4):
+                hidden = tf.tanh(tf.matmul(hidden, scaled))
+            tf.reduce_sum(tf.matmul(hidden, read), name="loss")
+    new, report = tfoverlap.optimize(graph.as_graph_def(), schedule=schedule, strict=True)
+    (order,) = report.passes[0].summary["order"].values()
+    assert order == ["read", "scaled"]
+    verify_graph_def(new)

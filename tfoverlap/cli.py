@@ -252,7 +252,8 @@ def _schedule_allreduce(graph_def, args) -> int:
     except ValueError as error:
         raise CliError(str(error)) from None
     bandwidth = options.bandwidth
-    plan, _, source = plan_for_graph(graph_def, options)
+    plan, inputs = plan_for_graph(graph_def, options)
+    source = inputs.ready_times_from
     names = [plan.model.names[v] for v in plan.nodes]
     rows = [{"bucket": k, "gradients": [{"allreduce": names[p.gradient], "offset": p.offset,
                                           "bytes": p.size} for p in b.pieces],

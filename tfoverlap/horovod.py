@@ -15,20 +15,21 @@ results, with the backward order fixed and the gradients reduced in planned buck
 
 The network model (alpha, beta) is what :func:`configure` was given, else it is measured
 once with a few AllReduces of two sizes; without a profile, op times are TensorFlow's FLOP
-counts over a measured matrix-product rate. Rank 0's measurements are used by every rank
-so that all ranks plan alike.
+counts over a measured matrix-product rate. Rank 0's measurements and host facts (compute
+threads, Horovod's cycle) are used by every rank so that all ranks plan alike.
 """
 from __future__ import annotations
 
-import logging
+import os
 import time
 
 import numpy as np
 
-__all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
-           "measure_flops", "network_model", "caramel_options"]
+from tfoverlap.log import logger
 
-logger = logging.getLogger("tfoverlap")
+__all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
+           "measure_flops", "host_facts", "network_model", "caramel_options"]
+
 _configured: dict = {}
 _measured: dict = {}
 
@@ -93,25 +94,42 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
     return float(result[0]), float(result[1])
 
 
+def _from_rank0(values: list[float], name: str) -> list[float]:
+    """Rank 0's ``values``, on every rank (fed, so that Grappler cannot fold the broadcast)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    with tf.Graph().as_default() as graph:
+        fed = tf.compat.v1.placeholder(tf.float64, [len(values)])
+        agreed = hvd.broadcast(fed, 0, name=name)
+    with tf.compat.v1.Session(graph=graph) as session:
+        return [float(v) for v in session.run(agreed, {fed: values})]
+
+
 def measure_flops(size: int = 768, repeats: int = 5) -> float:
     """FLOP/s of a float32 matrix product on this machine, for Caramel's op time estimates
     when nothing was profiled; rank 0's value, broadcast to every rank."""
-    import horovod.tensorflow as hvd
     import tensorflow as tf
     data = np.random.default_rng(0).random((size, size), dtype=np.float32)
     with tf.Graph().as_default() as graph:
         matrix = tf.compat.v1.placeholder(tf.float32, data.shape)
         product = tf.reduce_sum(tf.matmul(matrix, matrix))
-        values = tf.compat.v1.placeholder(tf.float64, [1])
-        agreed = hvd.broadcast(values, 0, name="tfoverlap_measure_flops")
     with tf.compat.v1.Session(graph=graph) as session:
         times = []
         for _ in range(repeats + 1):
             began = time.perf_counter()
             session.run(product, {matrix: data})
             times.append(time.perf_counter() - began)
-        rate = 2 * size ** 3 / max(float(np.median(times[1:])), 1e-9)
-        return float(session.run(agreed, {values: [rate]})[0])
+    rate = 2 * size ** 3 / max(float(np.median(times[1:])), 1e-9)
+    return _from_rank0([rate], "tfoverlap_measure_flops")[0]
+
+
+def host_facts() -> dict:
+    """Rank 0's compute threads and Horovod cycle (ms), which Caramel plans with: every rank
+    must plan alike, however its host differs."""
+    from tfoverlap.planning.caramel import horovod_cycle_seconds
+    threads, cycle_ms = _from_rank0([float(os.cpu_count() or 1),
+                                     horovod_cycle_seconds(0.0) * 1e3], "tfoverlap_host_facts")
+    return {"threads": int(threads), "cycle_ms": cycle_ms}
 
 
 def network_model() -> dict:
@@ -137,6 +155,11 @@ def caramel_options() -> dict:
             _measured["flops"] = measure_flops()
             logger.info("tfoverlap: measured %.3g FLOP/s", _measured["flops"])
         options["flops"] = _measured["flops"]
+    if "threads" not in options or "cycle_ms" not in options:
+        if "threads" not in _measured:
+            _measured.update(host_facts())
+        options.setdefault("threads", _measured["threads"])
+        options.setdefault("cycle_ms", _measured["cycle_ms"])
     return options
 
 

@@ -30,7 +30,8 @@ class Options:
     window:      how many ordered transfers may be in flight at once (1 = strictly serial).
     gate:        what releases the next transfer: "arrival" (a tiny worker-side Identity
                  that runs when the previous transfer has arrived) or "consumer" (the first
-                 worker op that uses it, which also waits for its other inputs).
+                 worker op that uses it, which also waits for its other inputs; an arrival
+                 gate where no consumer outside control flow can serve).
     ps_devices:  comma-separated device specs whose nodes are parameter servers; a device
                  matches when every field the spec names agrees ("/job:ps" matches every
                  device of job ps, "/device:CPU:1" every CPU:1).
@@ -47,7 +48,14 @@ class Options:
                  reduction of one bucket overlaps the copies of the next).
     flops:       FLOP/s for estimating op times when there is no profile (Caramel's ready
                  times; only the relation to the network matters).
-    strict:      re-raise a failing pass instead of logging and keeping the graph (tests).
+    threads:     Caramel: a rank's compute threads (TensorFlow's inter-op pool) in the
+                 ready-time simulation; 0 takes this host's CPU count.
+    cycle_ms:    Caramel: Horovod's cycle time in ms, part of each bucket's cost; 0 takes
+                 HOROVOD_CYCLE_TIME, else Horovod's default of 1 ms. Ranks must plan alike:
+                 the Horovod wrappers set both to rank 0's values.
+    strict:      a failing pass raises PassFailure from ``optimize`` instead of a warning; in
+                 a session it becomes an optimizer error status that TensorFlow logs before
+                 running the unoptimized graph (tests).
     report_dir:  if set, every run writes its report there as JSON.
     """
 
@@ -63,6 +71,8 @@ class Options:
     split_bytes: float = 64e6
     bucket_bytes: float = 4 * 2 ** 20
     flops: float = 2e10
+    threads: int = 0
+    cycle_ms: float = 0.0
     strict: bool = False
     report_dir: str = ""
 
@@ -168,14 +178,15 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             if value not in ALLREDUCE_SCHEDULES:
                 raise ValueError(f"option 'allreduce' must be one of {ALLREDUCE_SCHEDULES}, "
                                  f"got {value!r}")
-        elif name == "ranks":
+        elif name in ("ranks", "threads"):
             value = _as_int(name, value)
             if value < 0:
-                raise ValueError(f"option 'ranks' must be 0 (ask Horovod) or more, got {value}")
-        elif name in ("latency", "split_bytes", "bucket_bytes", "flops"):
+                raise ValueError(f"option {name!r} must be 0 (ask the host) or more, "
+                                 f"got {value}")
+        elif name in ("latency", "split_bytes", "bucket_bytes", "flops", "cycle_ms"):
             value = _as_float(name, value)
-            lowest = "non-negative" if name == "latency" else "positive"
-            if value < 0 or (name != "latency" and value == 0):
+            lowest = "non-negative" if name in ("latency", "cycle_ms") else "positive"
+            if value < 0 or (lowest == "positive" and value == 0):
                 raise ValueError(f"option {name!r} must be {lowest}, got {value}")
         elif name == "window":
             value = _as_int(name, value)

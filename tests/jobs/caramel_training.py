@@ -5,7 +5,9 @@ flag (the session config / tf.function flag) and dropin (tfoverlap.horovod's wra
 Every rank trains the same small conv + dense model from the same initial weights on its
 own data (seeded by rank), so the losses depend on the reduction being right. Graph-mode
 runs trace every step and report the order in which the gradient producers started.
-CARAMEL_TEST_MODEL=parallel trains independent branches instead of a chain of layers.
+CARAMEL_TEST_MODEL=parallel trains independent branches instead of a chain of layers;
+CARAMEL_TEST_MODEL=control_flow a while loop that reads a weight in every iteration and a
+cond whose branch alternates between steps.
 """
 import json
 import os
@@ -31,9 +33,11 @@ OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6,
                flops=float(os.environ.get("CARAMEL_TEST_FLOPS", 1e11)))
 tfo_hvd.configure(**OPTIONS)
 PARALLEL = os.environ.get("CARAMEL_TEST_MODEL") == "parallel"
+CONTROL_FLOW = os.environ.get("CARAMEL_TEST_MODEL") == "control_flow"
 BRANCHES = 8
 rng = np.random.default_rng(7)
 shapes = ([(16 * 16 * 3, 128)] * BRANCHES + [(128 * BRANCHES, 10)] if PARALLEL else
+          [(16 * 16 * 3, 64)] + [(64, 64)] * 3 + [(64, 10)] if CONTROL_FLOW else
           [(3, 3, 3, 16), (3, 3, 16, 32), (8 * 8 * 32, 256), (256, 10)])
 initial = [rng.normal(0, 0.1, s).astype(np.float32) for s in shapes]
 data_rng = np.random.default_rng(100 + hvd.rank())
@@ -41,7 +45,16 @@ images = data_rng.normal(size=(steps, 16, 16, 16, 3)).astype(np.float32)
 labels = data_rng.integers(0, 10, size=(steps, 16))
 
 
-def forward(weights, x, y):
+def forward(weights, x, y, even):
+    if CONTROL_FLOW:
+        h = tf.nn.relu(tf.matmul(tf.reshape(x, [16, -1]), weights[0]))
+        read = weights[1].read_value if hasattr(weights[1], "read_value") else lambda: weights[1]
+        _, h = tf.while_loop(lambda i, h: i < 3,
+                             lambda i, h: (i + 1, tf.nn.tanh(tf.matmul(h, read()))), [0, h])
+        h = tf.cond(even, lambda: tf.nn.relu(tf.matmul(h, weights[2])),
+                    lambda: tf.nn.tanh(tf.matmul(h, weights[3])))
+        logits = tf.matmul(h, weights[4])
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
     if PARALLEL:    # independent branches: their gradients have no order of their own
         flat = tf.reshape(x, [16, -1])
         h = tf.concat([tf.nn.relu(tf.matmul(flat, w)) for w in weights[:-1]], axis=1)
@@ -66,7 +79,8 @@ def train_graph(variant):
                    for i, w in enumerate(initial)]
         x = tf.compat.v1.placeholder(tf.float32, [16, 16, 16, 3])
         y = tf.compat.v1.placeholder(tf.int64, [16])
-        loss = forward(weights, x, y)
+        even = tf.compat.v1.placeholder(tf.bool, [])
+        loss = forward(weights, x, y, even)
         distributed = tfo_hvd if variant == "dropin" else hvd
         optimizer = distributed.DistributedOptimizer(
             tf.compat.v1.train.MomentumOptimizer(0.05, 0.9))
@@ -80,7 +94,8 @@ def train_graph(variant):
         for step in range(steps):
             metadata = tf.compat.v1.RunMetadata()
             options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-            value, _ = session.run([loss, train], {x: images[step], y: labels[step]},
+            value, _ = session.run([loss, train], {x: images[step], y: labels[step],
+                                                   even: step % 2 == 0},
                                    options=options, run_metadata=metadata)
             losses.append(float(value))
             started.append({n.node_name: n.all_start_micros
@@ -96,15 +111,16 @@ def train_tf2(variant):
     distributed = tfo_hvd if variant == "dropin" else hvd
 
     @tf.function
-    def train_step(x, y):
+    def train_step(x, y, even):
         with tf.GradientTape() as tape:
-            loss = forward(weights, x, y)
+            loss = forward(weights, x, y, even)
         tape = distributed.DistributedGradientTape(tape)
         gradients = tape.gradient(loss, weights)
         optimizer.apply_gradients(zip(gradients, weights))
         return loss
 
-    return [float(train_step(images[s], labels[s])) for s in range(steps)], []
+    return [float(train_step(images[s], labels[s], tf.constant(s % 2 == 0)))
+            for s in range(steps)], []
 
 
 for variant in variants:

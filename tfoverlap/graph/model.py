@@ -9,10 +9,19 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["GraphError", "GraphModel", "is_variable_op", "parse_input", "dtype_bytes",
-           "output_dtype", "tensor_bytes", "LOOP_BACK_EDGE_OPS", "RESOURCE_HANDLE_OPS"]
+           "output_dtype", "tensor_bytes", "LOOP_BACK_EDGE_OPS", "RESOURCE_HANDLE_OPS",
+           "ENTER_OPS", "EXIT_OPS", "Frame"]
 
 # Edges out of these ops close TF1 while loops; they are not ordering constraints.
 LOOP_BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
+ENTER_OPS = frozenset({"Enter", "RefEnter"})
+EXIT_OPS = frozenset({"Exit", "RefExit"})
+Frame = tuple  # () is the root frame; one name per nested while loop
+# Ops that TensorFlow's placer does not move to the device of their resource inputs: they
+# pass the handles on to the ops of their bodies, which are placed one by one.
+COLOCATION_EXEMPT_OPS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
+                                   "StatelessCase", "PartitionedCall",
+                                   "StatefulPartitionedCall"})
 # Producers whose outputs are resource handles rather than data.
 RESOURCE_HANDLE_OPS = frozenset({"VarHandleOp", "_VarHandlesOp", "HashTableV2",
                                  "MutableHashTableV2"})
@@ -43,6 +52,12 @@ class GraphModel:
 
     data_inputs[v]:    (producer id, output slot) per data input, in input order.
     control_inputs[v]: producer ids of control inputs.
+    frame[v]:          the while-loop frame v runs in (() is the root frame), as
+                       TensorFlow's executor sees it; output_frame[v] where its outputs
+                       live (a child frame for Enter, the parent for Exit).
+    loop_results[v]:   for an Exit, the NextIteration nodes of its loop: what the body
+                       computes reaches the Exit only through the loop's back edges, so
+                       dependencies count these as its inputs.
     """
 
     names: list[str]
@@ -51,6 +66,10 @@ class GraphModel:
     data_inputs: list[list[tuple[int, int]]]
     control_inputs: list[list[int]]
     index: dict[str, int]
+    frame: list[Frame] = dataclasses.field(default_factory=list)
+    output_frame: list[Frame] = dataclasses.field(default_factory=list)
+    loop_results: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    frame_conflicts: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_graph_def(cls, graph_def) -> "GraphModel":
@@ -78,8 +97,38 @@ class GraphModel:
                     data.append((producer, slot))
             data_inputs.append(data)
             control_inputs.append(control)
-        return cls(names=names, ops=[n.op for n in nodes], devices=[n.device for n in nodes],
-                   data_inputs=data_inputs, control_inputs=control_inputs, index=index)
+        model = cls(names=names, ops=[n.op for n in nodes], devices=[n.device for n in nodes],
+                    data_inputs=data_inputs, control_inputs=control_inputs, index=index)
+        model._find_frames(graph_def)
+        return model
+
+    def _find_frames(self, graph_def) -> None:
+        """Each node's frame; an Enter starts the child frame its ``frame_name`` names, an
+        Exit returns to the parent. A node whose inputs come from different frames (not a
+        graph TensorFlow can run) is listed in ``frame_conflicts``."""
+        self.frame = [()] * self.num_nodes
+        self.output_frame = [()] * self.num_nodes
+        if not any(op in ENTER_OPS for op in self.ops):
+            return
+        for node in self.topological_order():
+            frames = {self.output_frame[p] for p in self.predecessors(node)}
+            if len(frames) > 1:
+                self.frame_conflicts.append(node)
+            self.frame[node] = min(frames, key=len) if frames else ()
+            self.output_frame[node] = self.frame[node]
+            if self.ops[node] in ENTER_OPS:
+                attr = graph_def.node[node].attr.get("frame_name")
+                name = attr.s.decode() if attr is not None else self.names[node]
+                self.output_frame[node] = self.frame[node] + (name,)
+            elif self.ops[node] in EXIT_OPS and self.frame[node]:
+                self.output_frame[node] = self.frame[node][:-1]
+        next_iterations: dict[Frame, list[int]] = {}
+        for node in range(self.num_nodes):
+            if self.ops[node] in LOOP_BACK_EDGE_OPS and self.frame[node]:
+                next_iterations.setdefault(self.frame[node], []).append(node)
+        self.loop_results = {node: next_iterations.get(self.frame[node], [])
+                             for node in range(self.num_nodes)
+                             if self.ops[node] in EXIT_OPS and self.frame[node]}
 
     @property
     def num_nodes(self) -> int:
@@ -90,10 +139,13 @@ class GraphModel:
 
         An op that takes a resource handle runs where the resource lives, whatever device
         it asked for (a ReadVariableOp built under a worker's device scope still reads on
-        the PS). Graphs that Grappler sees are placed already; offline graphs may not be.
+        the PS); functional control flow and function calls are exempt. Graphs that
+        Grappler sees are placed already; offline graphs may not be.
         """
         devices = list(self.devices)
         for node in range(self.num_nodes):
+            if self.ops[node] in COLOCATION_EXEMPT_OPS:
+                continue
             for producer, _ in self.data_inputs[node]:
                 if self.ops[producer] in RESOURCE_HANDLE_OPS and self.devices[producer]:
                     devices[node] = self.devices[producer]
@@ -101,9 +153,11 @@ class GraphModel:
         return devices
 
     def predecessors(self, node: int) -> list[int]:
-        """Data and control producers of ``node``, loop back-edges excluded."""
+        """Data and control producers of ``node``, loop back-edges excluded; an Exit also
+        follows its loop's NextIteration nodes (see ``loop_results``)."""
         preds = [p for p, _ in self.data_inputs[node]] + self.control_inputs[node]
-        return [p for p in preds if self.ops[p] not in LOOP_BACK_EDGE_OPS]
+        preds = [p for p in preds if self.ops[p] not in LOOP_BACK_EDGE_OPS]
+        return preds + self.loop_results.get(node, []) if self.loop_results else preds
 
     def successors(self) -> list[list[int]]:
         """Consumers of each node (data or control, loop back-edges excluded), deduplicated."""

@@ -8,7 +8,7 @@ destination device, and ordering acts on the source node.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Collection
 
 from tfoverlap.graph.model import RESOURCE_HANDLE_OPS, GraphModel
 
@@ -31,17 +31,19 @@ class Transfer:
 
 
 def find_transfers(model: GraphModel, devices: list[str],
-                   is_ps_device: Callable[[str], bool]) -> list[Transfer]:
+                   is_ps_device: Callable[[str], bool],
+                   ignore: Collection[int] = ()) -> list[Transfer]:
     """All PS-to-worker data edges, grouped by (source, destination device), in node order.
 
     ``devices`` are the nodes' devices as placed (see GraphModel.colocated_devices). A
     consumer counts if its device is not a PS device (an unplaced consumer, device "",
-    counts as a worker: offline graphs are often placed only on the PS side).
+    counts as a worker: offline graphs are often placed only on the PS side). Consumers in
+    ``ignore`` are not counted.
     """
     found: dict[tuple[int, str], tuple[dict, dict]] = {}
     for consumer in range(model.num_nodes):
         consumer_device = devices[consumer]
-        if is_ps_device(consumer_device):
+        if consumer in ignore or is_ps_device(consumer_device):
             continue
         for source, slot in model.data_inputs[consumer]:
             if model.ops[source] in RESOURCE_HANDLE_OPS or not is_ps_device(devices[source]):

@@ -4,7 +4,9 @@
 :func:`_grappler_entry_point` with it through ctypes. Grappler then calls that entry point
 with the serialized graph; it runs the same pipeline as :func:`tfoverlap.optimize`.
 Nothing raised here may reach TensorFlow: a failure becomes a warning and an unchanged
-graph (or, in strict mode, an error status that fails the session).
+graph. In strict mode the failure is returned to Grappler as an error status: TensorFlow
+logs it ("TfOverlap failed: ...") and runs the unoptimized graph, so training goes on
+either way; :func:`tfoverlap.optimize` with ``strict=True`` raises instead.
 """
 from __future__ import annotations
 

@@ -111,22 +111,27 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
     options = context.options
     if not any(is_planned_allreduce(node) for node in graph_def.node):
         return PassResult(graph_def, False, {"allreduces": 0})
-    plan, ranks, source = plan_for_graph(graph_def, options)
+    plan, inputs = plan_for_graph(graph_def, options)
     model = plan.model
+    left_out = {reason: len(nodes) for reason, nodes in plan.left_out.items()}
+    if not plan.nodes:
+        return PassResult(graph_def, False, {"allreduces": 0, "allreduces_left_out": left_out,
+                                             "allreduces_left_out_names": plan.left_out})
     names = [model.names[v] for v in plan.nodes]
     node_defs = {node.name: node for node in graph_def.node}
     piece_elements, requests = _requests(plan, names, node_defs)
     prefix = free_prefix(graph_def)
     rewritten = group_allreduces(graph_def, requests, piece_elements, prefix)
     descriptions = [_bucket_description(names, b) for b in plan.buckets]
-    settings = {"ranks": ranks, "bandwidth": options.bandwidth, "latency": options.latency,
-                "split_bytes": options.split_bytes, "bucket_bytes": options.bucket_bytes}
+    settings = inputs.settings(options)
     digest = plan_digest(descriptions, settings)
     first = descriptions[0][:3] if descriptions else []
     message = (f"tfoverlap: the Horovod ranks planned different Caramel AllReduce buckets "
                f"(this rank: plan {digest}, {len(descriptions)} buckets, the first starting "
-               f"with {first}). Every rank must run the same graph with the same tfoverlap "
-               "options (ranks, bandwidth, latency, profile). First differing plan entry "
+               f"with {first}; planned with {inputs.describe(options)}). Every rank must run "
+               "the same graph with the same tfoverlap options and host facts (the Horovod "
+               "wrappers use rank 0's; with the session flag, set ranks, threads, cycle_ms, "
+               "flops and bandwidth explicitly). First differing plan entry "
                f"(0 = bucket count, k = bucket k-1, {CHECK_LENGTH - 1} = the rest):")
     grouped = [node.name for node in rewritten.node
                if node.op == "HorovodGroupedAllreduce" and node.name.startswith(prefix)]
@@ -144,7 +149,10 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
         "bucket_bytes": [b.size for b in plan.buckets],
         "split_gradients": sorted(piece_elements), "order_edges": edges,
         "order_backward": order_backward, "gradient_order": producers,
-        "ranks": ranks, "ready_times_from": source, "plan_digest": digest,
+        "ranks": inputs.ranks, "threads": inputs.threads,
+        "ready_times_from": inputs.ready_times_from, "plan_digest": digest,
         "predicted_last_bucket_end_s": round(plan.buckets[-1].finish, 6)
-        if plan.buckets else 0.0})
+        if plan.buckets else 0.0,
+        **({"allreduces_left_out": left_out, "allreduces_left_out_names": plan.left_out}
+           if left_out else {})})
 

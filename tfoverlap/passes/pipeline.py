@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from tfoverlap.graph.frames import verify_control_flow
 from tfoverlap.graph.model import GraphError
 from tfoverlap.graph.verify import verify_graph_def
 from tfoverlap.log import logger
@@ -35,7 +36,8 @@ def select_passes(options: Options) -> list[tuple[str, Pass]]:
 def run_pipeline(graph_def, context: PassContext):
     """Runs the selected passes; returns (graph_def, Report).
 
-    Every pass output is verified (acyclic, inputs resolve, preserved nodes kept). If a
+    Every pass output is verified (acyclic, inputs resolve, preserved nodes kept, no node
+    moved to another while-loop frame or made to wait on a cond branch). If a
     pass raises or fails verification, one warning names the pass and the reason and the
     *input* graph is returned unchanged — unless ``options.strict``, which raises
     :class:`PassFailure`.
@@ -48,6 +50,7 @@ def run_pipeline(graph_def, context: PassContext):
             result = graph_pass(current, context)
             if result.modified:
                 verify_graph_def(result.graph_def, context.preserved_nodes)
+                verify_control_flow(current, result.graph_def)
         except Exception as error:  # noqa: BLE001 - fail-open is the point
             reason = (f"its result is invalid: {error}" if isinstance(error, GraphError)
                       else f"{type(error).__name__}: {error}")

@@ -15,12 +15,16 @@ __all__ = ["tictac_pass"]
 
 def tictac_pass(graph_def, context: PassContext) -> PassResult:
     """Orders PS transfers (TIC or TAC) and enforces the order with control edges."""
-    clean, stripped = strip_ordering_edges(graph_def)
-    model, transfers, orders, edges, arrivals, notes = plan_transfer_order(clean, context.options)
+    clean, stripped = strip_ordering_edges(graph_def, keep=context.preserved_nodes)
+    model, transfers, orders, edges, arrivals, notes = plan_transfer_order(clean,
+                                                                          context.options)
     if not transfers:
-        logger.info("tfoverlap: graph %s has no transfer from a parameter-server device (%s); "
-                    "nothing to order", context.item_id or "", context.options.ps_devices)
-        return PassResult(clean, modified=stripped > 0, summary={"transfers": 0})
+        logger.info("tfoverlap: graph %s has no transfer from a parameter-server device (%s) "
+                    "outside control flow; nothing to order", context.item_id or "",
+                    context.options.ps_devices)
+        modified = stripped > 0
+        return PassResult(clean if modified else graph_def, modified=modified,
+                          summary={"transfers": 0, **_counted(notes)})
     used = {gate for gate, _ in edges}
     rewritten, added = add_ordering_edges(clean, edges, [a for a in arrivals if a.name in used])
     summary = {
@@ -31,7 +35,7 @@ def tictac_pass(graph_def, context: PassContext) -> PassResult:
         "order": {destination: [model.names[transfers[t].source] for t in order]
                   for destination, order in orders.items()},
         "ordering_edges": added,
-        **notes,
+        **_counted(notes),
     }
     # Without earlier edges, any addition is a change; with them, unchanged means the same
     # edges and gates were added back (the costly comparison only happens then).
@@ -39,3 +43,13 @@ def tictac_pass(graph_def, context: PassContext) -> PassResult:
                 rewritten.SerializeToString(deterministic=True)
                 != graph_def.SerializeToString(deterministic=True))
     return PassResult(rewritten if modified else graph_def, modified=modified, summary=summary)
+
+
+def _counted(notes: dict) -> dict:
+    """The plan's notes for the report, with a count per reason a transfer was left out."""
+    left_out = notes.get("transfers_left_out")
+    if not left_out:
+        return notes
+    return {**notes, "transfers_left_out": {reason: len(names)
+                                            for reason, names in left_out.items()},
+            "transfers_left_out_names": left_out}

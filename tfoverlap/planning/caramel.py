@@ -19,6 +19,7 @@ import numpy as np
 from tfoverlap.costs.network import ring_allreduce_seconds
 from tfoverlap.costs.profile import load_profile
 from tfoverlap.costs.static import OP_OVERHEAD_SECONDS, static_costs
+from tfoverlap.graph.frames import control_flow
 from tfoverlap.graph.model import GraphModel, is_variable_op, tensor_bytes
 from tfoverlap.log import warn_once
 from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR
@@ -28,7 +29,7 @@ from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 
 __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradients",
            "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
-           "resolve_ranks", "request_latency"]
+           "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 SPLIT_BYTES = 64e6      # gradients larger than this are planned in pieces
@@ -42,6 +43,7 @@ class GradientTimes:
     ready: list[float]        # when each one's input is ready (seconds into the step)
     tails: list[float]        # compute that follows each one's reduction
     producers: list[int]      # the ops computing only gradients, in simulated start order
+    left_out: dict = dataclasses.field(default_factory=dict)   # reason -> AllReduce names
 
 
 @dataclasses.dataclass
@@ -54,6 +56,7 @@ class AllreducePlan:
     tails: list[float]        # compute that follows each one's reduction
     buckets: list[Bucket]     # pieces refer to positions in ``nodes``
     producers: list[int]      # the gradients' producers, in the order they should run
+    left_out: dict = dataclasses.field(default_factory=dict)   # reason -> AllReduce names
 
 
 def _gradient_bytes(graph_def, model: GraphModel, node: int, succs,
@@ -126,7 +129,20 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
     """
     model = GraphModel.from_graph_def(graph_def)
     succs = model.successors()
-    nodes = [v for v in range(model.num_nodes) if is_planned_allreduce(graph_def.node[v])]
+    flow = control_flow(model, graph_def)
+    nodes, left_out = [], {}
+    for v in range(model.num_nodes):
+        if not is_planned_allreduce(graph_def.node[v]):
+            continue
+        # A bucket is one op of the root frame: only reductions that run in every step there.
+        inputs = model.data_inputs[v]
+        if flow.is_plain(v) and all(flow.is_plain_output(p, s) for p, s in inputs):
+            nodes.append(v)
+        else:
+            reason = flow.why_not_plain(v) or next(
+                "input " + (flow.why_not_plain(p) or "in a cond branch") for p, s in inputs
+                if not flow.is_plain_output(p, s))
+            left_out.setdefault(reason, []).append(model.names[v])
     sizes_by_node = {v: _gradient_bytes(graph_def, model, v, succs, tensor_sizes)
                      for v in nodes}
     work = np.array([0.0 if model.ops[v] == ALLREDUCE_OP else op_seconds.get(name, 0.0)
@@ -161,11 +177,13 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
     reduced = set(nodes)
     producers = [p for p in dict.fromkeys(_computing_producer(model, v) for v in nodes
                                           if model.data_inputs[v])
-                 if _feeds_only_allreduces(model, data_consumers, p, reduced)]
+                 if flow.is_plain(p) and _feeds_only_allreduces(model, data_consumers, p,
+                                                                reduced)]
     producers.sort(key=lambda p: (started[p], position[p]))
     return GradientTimes(model=model, nodes=nodes, sizes=[sizes_by_node[v] for v in nodes],
                          ready=[float(started[v]) for v in nodes],
-                         tails=[float(after[v]) for v in nodes], producers=producers)
+                         tails=[float(after[v]) for v in nodes], producers=producers,
+                         left_out=left_out)
 
 
 def bucket_problem(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth: float,
@@ -216,7 +234,7 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
 
     def plan(name, buckets):
         return AllreducePlan(name, times.model, times.nodes, sizes, ready, tails, buckets,
-                             times.producers)
+                             times.producers, times.left_out)
 
     default = plan("default", horovod_default_buckets(sizes, ready, ranks, bandwidth, latency))
     if algorithm == "default":
@@ -239,7 +257,7 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
 
 def resolve_ranks(requested: int) -> int:
     """``requested``, or the job's size: Horovod's if it is initialized in this process,
-    else the launcher's environment; 1 if nothing says."""
+    else the launcher's environment; 1 (with a warning) if nothing says."""
     if requested:
         return requested
     horovod = sys.modules.get("horovod.tensorflow")
@@ -251,17 +269,26 @@ def resolve_ranks(requested: int) -> int:
     for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         if os.environ.get(variable, "").isdigit():
             return int(os.environ[variable])
+    warn_once("tfoverlap: Caramel cannot tell how many Horovod ranks the job has (Horovod "
+              "is not initialized here, and HOROVOD_SIZE / OMPI_COMM_WORLD_SIZE are unset); "
+              "it plans for one rank. Set the 'ranks' option.")
     return 1
 
 
-def request_latency(latency: float, ranks: int) -> float:
-    """The alpha to plan with: the ring's per-step latency plus Horovod's cycle, spread over
-    the ring's 2 (n-1) steps. Each bucket waits for the one before it, so it is announced
-    just after a cycle began and waits about one cycle (HOROVOD_CYCLE_TIME, ms) to start."""
+def horovod_cycle_seconds(cycle_ms: float) -> float:
+    """Horovod's cycle: ``cycle_ms`` if set, else HOROVOD_CYCLE_TIME (ms), else 1 ms."""
+    if cycle_ms > 0:
+        return cycle_ms / 1e3
     try:
-        cycle = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1e3
+        return float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1e3
     except ValueError:
-        cycle = 1e-3
+        return 1e-3
+
+
+def request_latency(latency: float, ranks: int, cycle: float) -> float:
+    """The alpha to plan with: the ring's per-step latency plus Horovod's cycle (seconds),
+    spread over the ring's 2 (n-1) steps. Each bucket waits for the one before it, so it is
+    announced just after a cycle began and waits about one cycle to start."""
     return latency + (cycle / (2 * (ranks - 1)) if ranks > 1 else 0.0)
 
 
@@ -284,13 +311,38 @@ def _op_costs(graph_def, options) -> tuple[dict, dict, str]:
     return estimate.op_seconds, sizes, "static estimate"
 
 
-def plan_for_graph(graph_def, options):
-    """(plan, ranks, where the op times came from): exactly what the pass plans for
-    ``graph_def`` under ``options``; ``tfoverlap schedule --algo caramel`` shows it."""
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What a Caramel plan depends on besides the graph: all ranks must agree on these."""
+
+    ranks: int
+    threads: int
+    cycle_seconds: float
+    ready_times_from: str       # "profile", "static estimate" or "unit costs"
+
+    def settings(self, options) -> dict:
+        """The options a plan digest covers (host facts only shape the buckets, which the
+        digest covers anyway)."""
+        return {"ranks": self.ranks, "bandwidth": options.bandwidth,
+                "latency": options.latency, "split_bytes": options.split_bytes,
+                "bucket_bytes": options.bucket_bytes}
+
+    def describe(self, options) -> str:
+        """This rank's planning inputs, for a mismatch message that lets ranks be compared."""
+        return (f"ranks={self.ranks}, threads={self.threads}, "
+                f"cycle={self.cycle_seconds * 1e3:g} ms, bandwidth={options.bandwidth:.6g} B/s, "
+                f"latency={options.latency:.6g} s, flops={options.flops:.6g}, "
+                f"op times from {self.ready_times_from}")
+
+
+def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
+    """(plan, what it was planned with): exactly what the pass plans for ``graph_def``
+    under ``options``; ``tfoverlap schedule --algo caramel`` shows it."""
     ranks = resolve_ranks(options.ranks)
-    threads = os.cpu_count() or 1
+    threads = options.threads or os.cpu_count() or 1
+    cycle = horovod_cycle_seconds(options.cycle_ms)
     op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
     plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth,
-                          request_latency(options.latency, ranks), op_seconds, threads,
+                          request_latency(options.latency, ranks, cycle), op_seconds, threads,
                           options.split_bytes, tensor_sizes, options.bucket_bytes)
-    return plan, ranks, source
+    return plan, PlanInputs(ranks, threads, cycle, source)

@@ -12,22 +12,24 @@ from __future__ import annotations
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
 from tfoverlap.graph.devices import DeviceMatcher
+from tfoverlap.graph.frames import ControlFlow, control_flow
 from tfoverlap.graph.model import GraphModel, output_dtype, tensor_bytes
 from tfoverlap.graph.transfers import Transfer, find_transfers
 from tfoverlap.log import warn_once
 from tfoverlap.options import Options
-from tfoverlap.rewriters.control_edges import ARRIVAL_PREFIX, ArrivalNode
+from tfoverlap.rewriters.control_edges import ARRIVAL_ATTR, ARRIVAL_PREFIX, ArrivalNode
 from tfoverlap.schedulers.tictac import group_dependency_sets, tac_order, tic_order
 
 __all__ = ["plan_transfer_order", "dependency_bits"]
 
 
-def dependency_bits(model: GraphModel, topological: list[int],
-                     transfers: list[Transfer]) -> list[int]:
-    """For every node, the bitset of transfers it needs, directly or transitively."""
+def dependency_bits(model: GraphModel, topological: list[int], transfers: list[Transfer],
+                    at_source: bool = False) -> list[int]:
+    """For every node, the bitset of transfers it needs, directly or transitively (with
+    ``at_source``: the transfers whose source it follows, arrived or not)."""
     direct = [0] * model.num_nodes
     for index, transfer in enumerate(transfers):
-        for consumer in transfer.consumers:
+        for consumer in ((transfer.source,) if at_source else transfer.consumers):
             direct[consumer] |= 1 << index
     bits = [0] * model.num_nodes
     for node in topological:
@@ -84,31 +86,61 @@ class _Costs:
         warn_once(message)
 
 
+def _orderable(transfers: list[Transfer], flow: ControlFlow, model: GraphModel):
+    """(the transfers an order may hold, {reason: [source names]} of the others).
+
+    A transfer is ordered only if its PS-side source is a plain node (root frame, live in
+    every step, not a Switch): its arrival (or any plain consumer) can then gate the next
+    transfer, and the source can wait for a gate, without an edge that crosses a while
+    loop or waits on a dead op.
+    """
+    kept, left_out = [], {}
+    for transfer in transfers:
+        if flow.is_plain(transfer.source):
+            kept.append(transfer)
+        else:
+            reason = flow.why_not_plain(transfer.source)
+            left_out.setdefault(reason, []).append(model.names[transfer.source])
+    return kept, left_out
+
+
 def plan_transfer_order(graph_def, options: Options):
     """What the TicTac pass enforces, without the rewrite (the CLI's ``schedule`` shows it).
 
-    Returns (model, transfers, {destination: [transfer index in order]},
-    [(gate name, source name)] edges, [ArrivalNode] new gate nodes, notes dict).
+    Returns (model, the transfers it orders, {destination: [transfer index in order]},
+    [(gate name, source name)] edges, [ArrivalNode] new gate nodes, notes dict). Transfers
+    inside control flow are left out of the order (``notes["transfers_left_out"]``).
     """
     model = GraphModel.from_graph_def(graph_def)
     is_ps = DeviceMatcher(options.ps_devices)
     devices = model.colocated_devices()
-    transfers = sorted(find_transfers(model, devices, is_ps),
-                       key=lambda t: (t.destination, t.source))
-    if not transfers:
+    # Arrival gates an earlier run left (Grappler preserves them) are not the model's ops.
+    earlier_gates = {v for v in range(model.num_nodes) if ARRIVAL_ATTR in graph_def.node[v].attr}
+    found = sorted(find_transfers(model, devices, is_ps, ignore=earlier_gates),
+                   key=lambda t: (t.destination, t.source))
+    if not found:
         return model, [], {}, [], [], {}
+    destinations_of_source: dict[int, set[str]] = {}
+    for transfer in found:
+        destinations_of_source.setdefault(transfer.source, set()).add(transfer.destination)
+    flow = control_flow(model, graph_def)
+    transfers, left_out = _orderable(found, flow, model)
+    notes: dict = {}
+    if left_out:
+        notes["transfers_left_out"] = left_out
+    if not transfers:
+        return model, [], {}, [], [], notes
     topological = model.topological_order()
     position = [0] * model.num_nodes
     for rank, node in enumerate(topological):
         position[node] = rank
     bits = dependency_bits(model, topological, transfers)
+    # A source downstream of another source (a PS-side chain) must be ordered after it:
+    # gating the upstream one on the downstream one's arrival would close a cycle.
+    upstream_sources = dependency_bits(model, topological, transfers, at_source=True)
     costs = _Costs(graph_def, model, options) if options.schedule == "tac" else None
     if costs is not None:
         costs.check_matches(transfers)
-
-    destinations_of_source: dict[int, set[str]] = {}
-    for transfer in transfers:
-        destinations_of_source.setdefault(transfer.source, set()).add(transfer.destination)
 
     orders: dict[str, list[int]] = {}
     edges: list[tuple[str, str]] = []
@@ -126,9 +158,13 @@ def plan_transfer_order(graph_def, options: Options):
         def local_bits(node: int, start=start, mask=mask) -> int:
             return (bits[node] >> start) & mask
 
-        ops = [v for v in range(model.num_nodes) if devices[v] == destination]
+        def after_sources(node: int, start=start, mask=mask) -> int:
+            return (upstream_sources[node] >> start) & mask
+
+        ops = [v for v in range(model.num_nodes)
+               if devices[v] == destination and v not in earlier_gates]
         op_bits = [local_bits(v) for v in ops]
-        source_bits = [local_bits(t.source) for t in local]
+        source_bits = [local_bits(t.source) | after_sources(t.source) for t in local]
         tiebreak = [min(position[c] for c in t.consumers) for t in local]
         if costs is None:
             sets = group_dependency_sets(op_bits, None, len(local))
@@ -139,16 +175,21 @@ def plan_transfer_order(graph_def, options: Options):
                               tiebreak)
         orders[destination] = [start + t for t in order]
 
-        # Gates: an arrival node of transfer order[k] or, failing that (or by option), the
-        # earliest consumer of it that needs no transfer ordered later.
+        # Gates: the earliest consumer of transfer order[k] that is a plain node and follows
+        # no source ordered later, by any path (gate="consumer"), else an arrival node of it.
         allowed = 0
         gate_so_far: list[str | None] = []
         for k, t in enumerate(order):
             allowed |= 1 << t
             gate = None
+            if options.gate == "consumer":
+                valid = [c for c in local[t].consumers
+                         if after_sources(c) & ~allowed == 0 and flow.is_plain(c)]
+                if valid:
+                    gate = model.names[min(valid, key=position.__getitem__)]
             source = graph_def.node[local[t].source]
             dtype = output_dtype(source)
-            if options.gate == "arrival" and dtype is not None and k + options.window < len(order):
+            if gate is None and dtype is not None and k + options.window < len(order):
                 slot = local[t].slots[0]
                 arrival = ArrivalNode(
                     name=f"{ARRIVAL_PREFIX}{len(orders) - 1}/{source.name}",
@@ -156,10 +197,6 @@ def plan_transfer_order(graph_def, options: Options):
                     device=destination, dtype=dtype)
                 arrivals.append(arrival)
                 gate = arrival.name
-            else:
-                valid = [c for c in local[t].consumers if local_bits(c) & ~allowed == 0]
-                if valid:
-                    gate = model.names[min(valid, key=position.__getitem__)]
             gate_so_far.append(gate if gate is not None else
                                (gate_so_far[-1] if gate_so_far else None))
         for k in range(options.window, len(order)):
@@ -173,7 +210,6 @@ def plan_transfer_order(graph_def, options: Options):
             edges.append((gate, model.names[target]))
         start = stop
 
-    notes = {}
     if shared_sources:
         notes["sources_feeding_several_workers_not_gated"] = shared_sources
     if costs is not None:

@@ -110,7 +110,9 @@ class LocalCluster(PsCluster):
 def serve(spec: dict, job: str, task: int) -> None:
     """Runs one task of ``spec`` until killed; loads tfoverlap so its master can use it."""
     import tensorflow as tf
-    import tfoverlap  # noqa: F401  (registers the TfOverlap optimizer in this process)
+
+    import tfoverlap
+    tfoverlap.load()     # this process may be the master of a remote client's session
     server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job, task_index=task,
                                   start=True)
     print(READY, flush=True)

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Sequence
 
 __all__ = ["PsModel", "MODEL_NAMES", "chain_model", "parallel_model", "keras_model",
-           "transformer_model", "build_model"]
+           "transformer_model", "control_flow_model", "build_model"]
 
 KERAS_APPLICATIONS = {"resnet50": "ResNet50", "inception_v3": "InceptionV3",
                       "vgg16": "VGG16", "resnet152": "ResNet152"}
@@ -26,6 +26,10 @@ class PsModel:
     loss: object
     train_op: object | None
     variables: list
+    feeds: object = None    # step number -> feed_dict, for models with fed switches
+
+    def feed(self, step: int) -> dict | None:
+        return self.feeds(step) if self.feeds is not None else None
 
     @property
     def fetch(self):
@@ -180,6 +184,88 @@ def keras_model(application: str, batch: int = 8, image_size: int = 224, num_ps:
                 labels, logits))
     return _finish(graph, setter, loss, list(model.trainable_variables), training,
                    learning_rate, wrap_optimizer)
+
+
+def control_flow_model(parts: Sequence[str] = ("lstm", "loop", "batchnorm", "cond"),
+                       batch: int = 8,
+                       time_steps: int = 6, width: int = 32,
+                       worker_device: str = "/job:worker/task:0",
+                       ps_device: str = "/job:ps/task:0", use_resource: bool = True,
+                       training: bool = False, learning_rate: float = 0.05,
+                       seed: int = 0, wrap_optimizer=None,
+                       control_flow_v2: bool = True) -> PsModel:
+    """A model made of the control flow real programs have, parameters on ``ps_device``:
+
+    ``lstm``: an LSTM unrolled by ``tf.compat.v1.nn.dynamic_rnn`` (a while loop);
+    ``loop``: a ``tf.while_loop`` whose body reads a parameter in every iteration;
+    ``batchnorm``: Keras batch norm whose learning phase is a placeholder (a cond);
+    ``cond``: a ``tf.cond`` head whose branch alternates between steps (fed, see ``feed``);
+    then a dense layer. ``parts`` picks any of them, in this order. ``control_flow_v2=False``
+    builds TF1 control flow (Switch, Merge, Enter, Exit in the graph itself) instead of the
+    functional ``If``/``While`` that TensorFlow lowers before Grappler sees them.
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+    enabled = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = control_flow_v2
+    try:
+        return _control_flow_model(parts, batch, time_steps, width, worker_device, ps_device,
+                                   use_resource, training, learning_rate, seed, wrap_optimizer)
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = enabled
+
+
+def _control_flow_model(parts, batch, time_steps, width, worker_device, ps_device,
+                        use_resource, training, learning_rate, seed, wrap_optimizer):
+    import tensorflow as tf
+    variable_ops = ("VariableV2", "VarHandleOp", "Variable")
+
+    def place(op):
+        return ps_device if op.type in variable_ops else worker_device
+
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.device(place):
+        tf.compat.v1.set_random_seed(seed)
+        initializer = tf.compat.v1.glorot_uniform_initializer(seed=seed)
+        with tf.compat.v1.variable_scope("model", initializer=initializer,
+                                         use_resource=use_resource):
+            hidden = tf.random.stateless_normal([batch, time_steps, width], seed=[seed, 3])
+            phase = tf.compat.v1.placeholder_with_default(False, [], name="learning_phase")
+            branch = tf.compat.v1.placeholder_with_default(True, [], name="branch")
+            updates = []
+            if "lstm" in parts:
+                cell = tf.compat.v1.nn.rnn_cell.LSTMCell(width, name="lstm")
+                outputs, _ = tf.compat.v1.nn.dynamic_rnn(cell, hidden, dtype=tf.float32)
+                hidden = outputs[:, -1]
+            else:
+                hidden = tf.reduce_mean(hidden, axis=1)
+            if "loop" in parts:
+                recurrent = tf.compat.v1.get_variable("recurrent", [width, width])
+                # TensorFlow cannot capture a ref variable in a while loop: read it before.
+                outside = None if use_resource else tf.identity(recurrent)
+                _, hidden = tf.while_loop(
+                    lambda i, h: i < 3,
+                    lambda i, h: (i + 1, tf.nn.tanh(tf.matmul(
+                        h, recurrent.read_value() if outside is None else outside))),
+                    [tf.constant(0), hidden])
+            if "batchnorm" in parts:
+                norm = tf.keras.layers.BatchNormalization(name="bn")
+                hidden = norm(hidden, training=phase)
+                updates = list(norm.updates)
+            if "cond" in parts:
+                even = tf.compat.v1.get_variable("head_even", [width, width])
+                odd = tf.compat.v1.get_variable("head_odd", [width, width])
+                hidden = tf.cond(branch, lambda: tf.nn.relu(tf.matmul(hidden, even)),
+                                 lambda: tf.nn.tanh(tf.matmul(hidden, odd)))
+            output = tf.compat.v1.get_variable("output", [width, 1])
+            loss = tf.reduce_mean(tf.square(tf.matmul(hidden, output) - 1.0))
+            variables = tf.compat.v1.trainable_variables()
+    model = _finish(graph, place, loss, variables, training, learning_rate, wrap_optimizer)
+    if updates and model.train_op is not None:
+        with graph.as_default():
+            model.train_op = tf.group(model.train_op, *updates)
+    model.feeds = lambda step: {phase: training, branch: step % 2 == 0}
+    return model
 
 
 def transformer_model(batch: int = 8, layers: int = 12, width: int = 256, heads: int = 4,
