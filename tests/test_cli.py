@@ -306,3 +306,32 @@ def test_caramel_plan_is_never_worse_than_horovods_fusion_in_the_simulation(caps
         assert code == 0
         default, caramel = (float(line.split()[1]) for line in out.splitlines()[2:4])
         assert caramel <= default * (1 + 1e-9), (bandwidth, default, caramel)
+
+
+def test_schedule_names_the_transfers_it_leaves_to_control_flow(capsys, tmp_path):
+    from tensorflow.python.ops import control_flow_util
+    import tensorflow as tf
+    enabled = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            with tf.device("/job:ps/task:0"):
+                kept = tf.compat.v1.get_variable("kept", [4, 4], use_resource=True)
+                branch = tf.compat.v1.get_variable("branch", [4, 4], use_resource=True)
+            with tf.device("/job:worker/task:0"):
+                pred = tf.compat.v1.placeholder(tf.bool, [])
+                h = tf.matmul(tf.ones([2, 4]), kept)
+                h = tf.matmul(h, tf.ones([4, 4]), name="second")
+                tf.cond(pred, lambda: tf.matmul(h, branch), lambda: h, name="head")
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = enabled
+    path = tmp_path / "cond.pb"
+    path.write_bytes(graph.as_graph_def().SerializeToString())
+    code, out, err = run(capsys, "schedule", path, "--algo", "tic")
+    assert code == 0, err
+    assert "TIC order of the 1 transfers" in out
+    assert "left out of the order, in a cond branch: 1 transfers (e.g. head/" in out
+    code, _, err = run(capsys, "schedule", path, "--algo", "tic", "--ps-devices",
+                       "/job:ps/task:0/device:GPU:0")
+    assert code == 2 and len(err.strip().splitlines()) == 1

@@ -202,9 +202,12 @@ def _schedule(args) -> int:
     if args.algo == "caramel":
         return _schedule_allreduce(graph_def, args)
     model, transfers, orders, edges, arrivals, notes = _plan(graph_def, args, args.algo)
+    left_out = notes.get("transfers_left_out", {})
     if not transfers:
-        raise CliError(f"no parameter transfers in {args.graph} (PS devices "
-                       f"{args.ps_devices!r}); nothing to schedule")
+        inside = (f"; {sum(map(len, left_out.values()))} sit inside control flow and are "
+                  "left alone" if left_out else "")
+        raise CliError(f"no parameter transfers to order in {args.graph} (PS devices "
+                       f"{args.ps_devices!r}){inside}; nothing to schedule")
     plan = {"algorithm": args.algo, "window": args.window, "orders": {}, "constraints": [
         {"after": gate, "before": read} for gate, read in edges],
         "gate_nodes": [{"name": a.name, "consumes": a.tensor, "device": a.device}
@@ -231,8 +234,11 @@ def _schedule(args) -> int:
         print(f"  {constraint['after']} -> {constraint['before']}")
     if len(edges) > args.top:
         print(f"  ... {len(edges) - args.top} more (--top N, or --json for all)")
+    for reason, names in left_out.items():
+        print(f"left out of the order, {reason}: {len(names)} transfers (e.g. {names[0]})")
     for key, value in notes.items():
-        print(f"note: {key}: {value}")
+        if key != "transfers_left_out":
+            print(f"note: {key}: {value}")
     return 0
 
 

@@ -17,11 +17,15 @@ keeps every literal of its inputs, so "always live" is only ever claimed when it
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 
 from tfoverlap.graph.model import EXIT_OPS, Frame, GraphError, GraphModel, parse_input
 
-__all__ = ["ControlFlow", "control_flow", "verify_control_flow", "SWITCH_OPS", "MERGE_OPS"]
+__all__ = ["ControlFlow", "control_flow", "analysed", "remembering_analyses",
+           "verify_control_flow", "has_control_flow",
+           "SWITCH_OPS", "MERGE_OPS", "CONTROL_FLOW_OPS"]
 
 SWITCH_OPS = frozenset({"Switch", "RefSwitch", "_SwitchN"})
 MERGE_OPS = frozenset({"Merge", "RefMerge"})
@@ -100,11 +104,51 @@ def _predicate(model: GraphModel, node: int) -> tuple[int, int]:
     return producer, slot
 
 
+CONTROL_FLOW_OPS = SWITCH_OPS | MERGE_OPS | frozenset(
+    {"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration"})
+
+
+def has_control_flow(graph_def) -> bool:
+    """Whether the graph holds TF1 control flow (functional If/While are plain ops)."""
+    return any(node.op in CONTROL_FLOW_OPS for node in graph_def.node)
+
+
+_remembered = threading.local()
+
+
+@contextlib.contextmanager
+def remembering_analyses():
+    """Within this block (one pipeline run, whose graphs are never changed in place) the
+    latest analysis of this thread is reused: a pass and the verification of its output
+    both analyse the pass's input."""
+    _remembered.last = None
+    _remembered.active = True
+    try:
+        yield
+    finally:
+        _remembered.active = False
+        _remembered.last = None
+
+
+def analysed(graph_def) -> tuple[GraphModel, "ControlFlow"]:
+    """(model, control flow) of ``graph_def`` (see :func:`remembering_analyses`)."""
+    last = getattr(_remembered, "last", None)
+    if last is not None and last[0] is graph_def:
+        return last[1], last[2]
+    model = GraphModel.from_graph_def(graph_def)
+    flow = control_flow(model, graph_def)
+    if getattr(_remembered, "active", False):
+        _remembered.last = (graph_def, model, flow)
+    return model, flow
+
+
 def control_flow(model: GraphModel, graph_def) -> ControlFlow:
     """Deadness of every node, over the model's frames (loop back-edges aside)."""
     num_nodes = model.num_nodes
     frame, output_frame = model.frame, model.output_frame
     live_when: list[frozenset] = [_NO_CONDITION] * num_nodes
+    if not any(op in CONTROL_FLOW_OPS for op in model.ops):
+        return ControlFlow(frame, output_frame, live_when, {})
     switch_predicate, arity = {}, {}
     for v in range(num_nodes):
         if model.ops[v] in SWITCH_OPS and len(model.data_inputs[v]) >= 2:
@@ -130,7 +174,7 @@ def control_flow(model: GraphModel, graph_def) -> ControlFlow:
     return flow
 
 
-def verify_control_flow(before, after) -> None:
+def verify_control_flow(before, after, after_model: GraphModel | None = None) -> None:
     """What a rewrite must keep: every node of ``before`` that is still in ``after`` runs
     in the same frame, and one that was live in every step still is; every edge ``after``
     adds joins two nodes of one frame.
@@ -138,8 +182,11 @@ def verify_control_flow(before, after) -> None:
     Raises:
       GraphError: naming the first node or edge that breaks this.
     """
-    old_model, new_model = GraphModel.from_graph_def(before), GraphModel.from_graph_def(after)
-    old_flow, new_flow = control_flow(old_model, before), control_flow(new_model, after)
+    if not has_control_flow(before) and not has_control_flow(after):
+        return
+    old_model, old_flow = analysed(before)
+    new_model = after_model or GraphModel.from_graph_def(after)
+    new_flow = control_flow(new_model, after)
     conflicts = set(new_model.frame_conflicts) - {
         new_model.index.get(old_model.names[v]) for v in old_model.frame_conflicts}
     if conflicts:

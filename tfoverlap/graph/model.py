@@ -70,6 +70,9 @@ class GraphModel:
     output_frame: list[Frame] = dataclasses.field(default_factory=list)
     loop_results: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     frame_conflicts: list[int] = dataclasses.field(default_factory=list)
+    _predecessors: list | None = dataclasses.field(default=None, repr=False, compare=False)
+    _successors: list | None = dataclasses.field(default=None, repr=False, compare=False)
+    _order: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_graph_def(cls, graph_def) -> "GraphModel":
@@ -129,6 +132,7 @@ class GraphModel:
         self.loop_results = {node: next_iterations.get(self.frame[node], [])
                              for node in range(self.num_nodes)
                              if self.ops[node] in EXIT_OPS and self.frame[node]}
+        self._predecessors = self._successors = self._order = None   # Exits' inputs changed
 
     @property
     def num_nodes(self) -> int:
@@ -154,25 +158,42 @@ class GraphModel:
 
     def predecessors(self, node: int) -> list[int]:
         """Data and control producers of ``node``, loop back-edges excluded; an Exit also
-        follows its loop's NextIteration nodes (see ``loop_results``)."""
-        preds = [p for p, _ in self.data_inputs[node]] + self.control_inputs[node]
-        preds = [p for p in preds if self.ops[p] not in LOOP_BACK_EDGE_OPS]
-        return preds + self.loop_results.get(node, []) if self.loop_results else preds
+        follows its loop's NextIteration nodes (see ``loop_results``). Computed once for
+        all nodes: callers must not modify it."""
+        if self._predecessors is None:
+            back = {v for v, op in enumerate(self.ops) if op in LOOP_BACK_EDGE_OPS}
+            everything = []
+            for v in range(self.num_nodes):
+                preds = [p for p, _ in self.data_inputs[v]] + self.control_inputs[v]
+                if back:
+                    preds = [p for p in preds if p not in back]
+                everything.append(preds + self.loop_results[v] if v in self.loop_results
+                                  else preds)
+            self._predecessors = everything
+        return self._predecessors[node]
 
     def successors(self) -> list[list[int]]:
-        """Consumers of each node (data or control, loop back-edges excluded), deduplicated."""
-        succs: list[list[int]] = [[] for _ in self.names]
-        for node in range(self.num_nodes):
-            for pred in dict.fromkeys(self.predecessors(node)):
-                succs[pred].append(node)
-        return succs
+        """Consumers of each node (data or control, loop back-edges excluded), deduplicated.
+        Computed once: callers must not modify it."""
+        if self._successors is None:
+            succs: list[list[int]] = [[] for _ in self.names]
+            for node in range(self.num_nodes):
+                for pred in dict.fromkeys(self.predecessors(node)):
+                    succs[pred].append(node)
+            self._successors = succs
+        return self._successors
 
     def topological_order(self) -> list[int]:
-        """Kahn's order of all nodes.
+        """Kahn's order of all nodes (computed once: callers must not modify it).
 
         Raises:
           GraphError: the graph has a cycle; names a node on it.
         """
+        if self._order is None:
+            self._order = self._kahn_order()
+        return self._order
+
+    def _kahn_order(self) -> list[int]:
         succs = self.successors()
         indegree = [0] * self.num_nodes
         for node, consumers in enumerate(succs):

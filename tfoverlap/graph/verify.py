@@ -3,16 +3,19 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from tfoverlap.graph.frames import verify_control_flow
 from tfoverlap.graph.model import GraphError, GraphModel
 
 __all__ = ["verify_graph_def"]
 
 
-def verify_graph_def(graph_def, preserve: Iterable[str] = ()) -> None:
+def verify_graph_def(graph_def, preserve: Iterable[str] = (), before=None) -> None:
     """The invariants every pass output must satisfy.
 
     Every input names a node, control inputs follow data inputs and are not repeated, the
     graph is acyclic (TF1 loop back-edges aside), and every node in ``preserve`` exists.
+    Given the graph ``before`` the pass, frames and deadness are kept too
+    (:func:`tfoverlap.graph.frames.verify_control_flow`).
 
     Raises:
       GraphError: naming the first violation.
@@ -34,3 +37,5 @@ def verify_graph_def(graph_def, preserve: Iterable[str] = ()) -> None:
     if missing:
         raise GraphError(f"node {missing[0]!r}, which must be preserved, is gone")
     model.topological_order()
+    if before is not None:
+        verify_control_flow(before, graph_def, model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from tfoverlap.graph.frames import verify_control_flow
+from tfoverlap.graph.frames import remembering_analyses
 from tfoverlap.graph.model import GraphError
 from tfoverlap.graph.verify import verify_graph_def
 from tfoverlap.log import logger
@@ -42,6 +42,11 @@ def run_pipeline(graph_def, context: PassContext):
     *input* graph is returned unchanged — unless ``options.strict``, which raises
     :class:`PassFailure`.
     """
+    with remembering_analyses():
+        return _run_passes(graph_def, context)
+
+
+def _run_passes(graph_def, context: PassContext):
     report = Report(item_id=context.item_id, source=context.source,
                     num_nodes=len(graph_def.node))
     current = graph_def
@@ -49,8 +54,7 @@ def run_pipeline(graph_def, context: PassContext):
         try:
             result = graph_pass(current, context)
             if result.modified:
-                verify_graph_def(result.graph_def, context.preserved_nodes)
-                verify_control_flow(current, result.graph_def)
+                verify_graph_def(result.graph_def, context.preserved_nodes, before=current)
         except Exception as error:  # noqa: BLE001 - fail-open is the point
             reason = (f"its result is invalid: {error}" if isinstance(error, GraphError)
                       else f"{type(error).__name__}: {error}")

@@ -19,7 +19,7 @@ import numpy as np
 from tfoverlap.costs.network import ring_allreduce_seconds
 from tfoverlap.costs.profile import load_profile
 from tfoverlap.costs.static import OP_OVERHEAD_SECONDS, static_costs
-from tfoverlap.graph.frames import control_flow
+from tfoverlap.graph.frames import analysed
 from tfoverlap.graph.model import GraphModel, is_variable_op, tensor_bytes
 from tfoverlap.log import warn_once
 from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR
@@ -127,9 +127,8 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
     remaining path, where an AllReduce counts its ring time under ``network`` (ranks,
     bytes/s, latency), so that gradients whose communication is long are produced early.
     """
-    model = GraphModel.from_graph_def(graph_def)
+    model, flow = analysed(graph_def)
     succs = model.successors()
-    flow = control_flow(model, graph_def)
     nodes, left_out = [], {}
     for v in range(model.num_nodes):
         if not is_planned_allreduce(graph_def.node[v]):

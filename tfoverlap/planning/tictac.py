@@ -12,7 +12,7 @@ from __future__ import annotations
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
 from tfoverlap.graph.devices import DeviceMatcher
-from tfoverlap.graph.frames import ControlFlow, control_flow
+from tfoverlap.graph.frames import ControlFlow, analysed
 from tfoverlap.graph.model import GraphModel, output_dtype, tensor_bytes
 from tfoverlap.graph.transfers import Transfer, find_transfers
 from tfoverlap.log import warn_once
@@ -111,7 +111,7 @@ def plan_transfer_order(graph_def, options: Options):
     [(gate name, source name)] edges, [ArrivalNode] new gate nodes, notes dict). Transfers
     inside control flow are left out of the order (``notes["transfers_left_out"]``).
     """
-    model = GraphModel.from_graph_def(graph_def)
+    model, flow = analysed(graph_def)
     is_ps = DeviceMatcher(options.ps_devices)
     devices = model.colocated_devices()
     # Arrival gates an earlier run left (Grappler preserves them) are not the model's ops.
@@ -123,7 +123,6 @@ def plan_transfer_order(graph_def, options: Options):
     destinations_of_source: dict[int, set[str]] = {}
     for transfer in found:
         destinations_of_source.setdefault(transfer.source, set()).add(transfer.destination)
-    flow = control_flow(model, graph_def)
     transfers, left_out = _orderable(found, flow, model)
     notes: dict = {}
     if left_out:
