@@ -300,3 +300,40 @@ def test_control_flow_models_train_like_the_default(cluster, schedule, use_resou
         late = [(a, b) for a, b in zip(planned, planned[window:])
                 if a in arrived and b in arrived and arrived[a] > arrived[b]]
         assert not late, f"arrived out of the planned order: {late}"
+
+
+def test_tf_function_with_a_cond_and_a_loop_computes_what_it_did():
+    """TF2: a tf.function whose cond and while loop read parameters on another device,
+    switched on through tf_function_options; Grappler sees the function's graph."""
+    from helpers import run_python
+    result = run_python("""
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tfoverlap
+with tf.device("/device:CPU:1"):
+    kernels = [tf.Variable(tf.random.stateless_normal([32, 32], seed=[i, 0]) * 0.2)
+               for i in range(5)]
+
+def forward(x, even):
+    with tf.device("/device:CPU:0"):
+        x = tf.tanh(tf.matmul(x, kernels[0]))
+        _, x = tf.while_loop(lambda i, h: i < 3,
+                             lambda i, h: (i + 1, tf.tanh(tf.matmul(h, kernels[1]))), [0, x])
+        x = tf.cond(even, lambda: tf.matmul(x, kernels[2]), lambda: tf.matmul(x, kernels[3]))
+        return tf.reduce_sum(tf.matmul(x, kernels[4]))
+
+x = tf.ones([4, 32])
+plain = tf.function(forward)
+with tfoverlap.tf_function_options(schedule="tic", ps_devices="/device:CPU:1", strict=True):
+    scheduled = tf.function(forward)
+    values = [scheduled(x, tf.constant(s % 2 == 0)).numpy() for s in range(4)]
+expected = [plain(x, tf.constant(s % 2 == 0)).numpy() for s in range(4)]
+ran = [p.summary for r in tfoverlap.recent_reports() for p in r.passes
+       if p.summary.get("transfers")]
+print("ran", len(ran), "equal", values == expected, "reverted",
+      any(r.reverted for r in tfoverlap.recent_reports()))
+""")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "equal True reverted False" in result.stdout, result.stdout
+    assert "ran 0" not in result.stdout, "the pass never saw a transfer: the test shows nothing"

@@ -21,7 +21,8 @@ import contextlib
 import dataclasses
 import threading
 
-from tfoverlap.graph.model import EXIT_OPS, Frame, GraphError, GraphModel, parse_input
+from tfoverlap.graph.model import (ENTER_OPS, EXIT_OPS, LOOP_BACK_EDGE_OPS, Frame, GraphError,
+                                   GraphModel, parse_input)
 
 __all__ = ["ControlFlow", "control_flow", "analysed", "remembering_analyses",
            "verify_control_flow", "has_control_flow",
@@ -29,6 +30,7 @@ __all__ = ["ControlFlow", "control_flow", "analysed", "remembering_analyses",
 
 SWITCH_OPS = frozenset({"Switch", "RefSwitch", "_SwitchN"})
 MERGE_OPS = frozenset({"Merge", "RefMerge"})
+CONTROL_FLOW_OPS = SWITCH_OPS | MERGE_OPS | ENTER_OPS | EXIT_OPS | LOOP_BACK_EDGE_OPS
 
 Literal = tuple[int, int, int]  # (predicate node id, its output slot, Switch output port)
 _NO_CONDITION: frozenset = frozenset()
@@ -104,10 +106,6 @@ def _predicate(model: GraphModel, node: int) -> tuple[int, int]:
     return producer, slot
 
 
-CONTROL_FLOW_OPS = SWITCH_OPS | MERGE_OPS | frozenset(
-    {"Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration"})
-
-
 def has_control_flow(graph_def) -> bool:
     """Whether the graph holds TF1 control flow (functional If/While are plain ops)."""
     return any(node.op in CONTROL_FLOW_OPS for node in graph_def.node)
@@ -157,7 +155,7 @@ def control_flow(model: GraphModel, graph_def) -> ControlFlow:
             arity[predicate] = max(arity.get(predicate, 0), outputs)
     flow = ControlFlow(frame, output_frame, live_when, switch_predicate)
     for node in model.topological_order():
-        forward = {p for p in model.predecessors(node) if p not in model.loop_results.get(node, ())}
+        forward = set(model.predecessors(node))     # loop back-edges left out
         data = [(p, s) for p, s in model.data_inputs[node] if p in forward]
         control = [p for p in model.control_inputs[node] if p in forward]
         data_conditions = [flow.output_condition(p, s) for p, s in data]
