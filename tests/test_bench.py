@@ -88,3 +88,23 @@ def test_bad_horovod_benchmark_options_are_one_line_errors(capsys, argv, message
     assert allreduce.main(argv + ["--out", "/nonexistent/never-written"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_horovod_benchmark_worker_end_to_end():
+    """One round of the Horovod benchmark's worker on 2 Gloo ranks (loopback): every
+    variant is timed and rank 0 reports what Caramel planned."""
+    import json
+    import sys
+    from tfoverlap.testbed.horovod_launch import run_horovod
+    from tfoverlap.testbed.network import EmulatedNetwork
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [
+            sys.executable, "-m", "tfoverlap.bench.allreduce_worker", "--model", "transformer",
+            "--batch", "2", "--variants", "horovod,caramel", "--rounds", "1", "--steps", "1",
+            "--warmup", "1"], controller="gloo", timeout=400)
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    record = json.loads(next(line for line in result.outputs[0].splitlines()
+                             if line.startswith("{")))
+    assert set(record["times"]) == {"horovod", "caramel"}
+    assert all(len(times) == 1 for times in record["times"].values())
+    assert record["caramel"] and record["caramel"]["allreduces"] == record["tensors"]

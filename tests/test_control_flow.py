@@ -15,7 +15,7 @@ from tfoverlap.costs.trace import recv_events
 from tfoverlap.testbed.cluster import LocalCluster
 from tfoverlap.testbed.models import control_flow_model
 
-from helpers import latest_report_with_transfers, traced_run
+from helpers import latest_report_with_transfers
 
 PS, WORKER = "/job:ps/task:0", "/job:worker/task:0"
 

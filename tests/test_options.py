@@ -1,5 +1,4 @@
 """The switch: configs, options validation, rewriter text."""
-import json
 
 import pytest
 import tensorflow as tf

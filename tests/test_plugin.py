@@ -2,7 +2,6 @@
 import logging
 import textwrap
 
-import numpy as np
 import pytest
 import tensorflow as tf
 

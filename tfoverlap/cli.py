@@ -119,7 +119,7 @@ def _megabytes(num_bytes) -> str:
 # ---------------------------------------------------------------------- inspect
 def _inspect(args) -> int:
     from tfoverlap.graph.devices import DeviceMatcher
-    from tfoverlap.graph.model import GraphModel, tensor_bytes
+    from tfoverlap.graph.model import tensor_bytes
     from tfoverlap.planning.tictac import dependency_bits
     graph_def = load_graph(args.graph)
     profile = _load_profile(args.profile)

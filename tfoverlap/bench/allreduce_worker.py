@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     import tensorflow as tf
     tf.compat.v1.disable_eager_execution()
     hvd.init()
+    import tfoverlap
     import tfoverlap.horovod as tfo_hvd
     began = time.perf_counter()
     built = {variant: _build(variant, args) for variant in variants}
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
                 session.run(fetch)
                 times[variant].append(time.perf_counter() - start)
     model = next(iter(built.values()))[2]
-    caramel = [p.summary for r in tfo_hvd.reports for p in r.passes if p.name == "caramel"]
+    caramel = [p.summary for r in tfoverlap.recent_reports() for p in r.passes
+               if p.name == "caramel" and r.modified]
     if hvd.rank() == 0:
         print(json.dumps({
             "model": args.model, "batch": args.batch, "ranks": hvd.size(),

@@ -117,9 +117,10 @@ class Worker:
         for report in reversed(reports):
             for entry in report.passes:
                 if entry.summary.get("transfers"):
+                    # Grappler's second round re-plans the same edges: "unchanged" there.
                     return {"transfers": entry.summary["transfers"],
                             "ordering_edges": entry.summary.get("ordering_edges", 0),
-                            "modified": report.modified}
+                            "modified": any(r.modified for r in reports)}
         return {"transfers": 0, "ordering_edges": 0, "modified": False}
 
     def save_graph(self, command):

@@ -204,7 +204,6 @@ def control_flow_model(parts: Sequence[str] = ("lstm", "loop", "batchnorm", "con
     builds TF1 control flow (Switch, Merge, Enter, Exit in the graph itself) instead of the
     functional ``If``/``While`` that TensorFlow lowers before Grappler sees them.
     """
-    import tensorflow as tf
     from tensorflow.python.ops import control_flow_util
     enabled = control_flow_util.ENABLE_CONTROL_FLOW_V2
     control_flow_util.ENABLE_CONTROL_FLOW_V2 = control_flow_v2
