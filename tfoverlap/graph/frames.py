@@ -32,7 +32,7 @@ SWITCH_OPS = frozenset({"Switch", "RefSwitch", "_SwitchN"})
 MERGE_OPS = frozenset({"Merge", "RefMerge"})
 CONTROL_FLOW_OPS = SWITCH_OPS | MERGE_OPS | ENTER_OPS | EXIT_OPS | LOOP_BACK_EDGE_OPS
 
-Literal = tuple[int, int, int]  # (predicate node id, its output slot, Switch output port)
+# A condition is a frozenset of literals (predicate node id, its output slot, Switch port).
 _NO_CONDITION: frozenset = frozenset()
 
 

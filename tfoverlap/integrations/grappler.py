@@ -23,7 +23,7 @@ from tfoverlap.options import parse_options
 from tfoverlap.passes.base import REPORTS, PassContext, PassFailure
 from tfoverlap.passes.pipeline import run_pipeline
 
-__all__ = ["load", "is_loaded", "library_path", "OPTIMIZER_NAME"]
+__all__ = ["load", "library_path", "OPTIMIZER_NAME"]
 
 OPTIMIZER_NAME = "TfOverlap"
 _ABI_VERSION = 1
@@ -67,11 +67,6 @@ def load() -> None:
         _entry_point = _ENTRY_POINT_TYPE(_grappler_entry_point)
         library.tfoverlap_set_entry_point(_entry_point)
         _library = library
-
-
-def is_loaded() -> bool:
-    """Whether this process has registered the TfOverlap optimizer with Grappler."""
-    return _library is not None
 
 
 def _parse_item(text: str) -> dict[str, list[str]]:
