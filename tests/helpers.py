@@ -9,6 +9,10 @@ from tfoverlap.costs.trace import op_start_order
 
 LOCAL_PS = "/device:CPU:1"
 
+#: One transfer per release group, one group in flight, no gain estimate: the strictest
+#: enforcement (every transfer gets its gate), which tests of the observed order use.
+SERIAL = dict(credit=0, window=1, force=True)
+
 
 def local_config(**options):
     """A single-process session with two CPU devices; CPU:1 plays the parameter server."""

@@ -107,14 +107,26 @@ def test_inspect_reads_metagraphs_and_saved_models(capsys, chain, tmp_path):
 
 
 def test_schedule_prints_the_order_and_the_constraints(capsys, files):
-    code, out, _ = run(capsys, "schedule", files["pb"], "--algo", "tic", "--json")
+    code, out, _ = run(capsys, "schedule", files["pb"], "--algo", "tic", "--json",
+                       "--credit", 0, "--window", 1)
     assert code == 0
     plan = json.loads(out)
-    order = [row["transfer"] for row in plan["orders"]["/job:worker/task:0"]]
+    rows = plan["orders"]["/job:worker/task:0"]
+    order = [row["transfer"] for row in rows]
     assert order == ["MatMul/ReadVariableOp"] + [f"MatMul_{k}/ReadVariableOp"
                                                  for k in range(1, LAYERS)]
+    assert [row["group"] for row in rows] == list(range(LAYERS))
     assert len(plan["constraints"]) == LAYERS - 1
     assert {c["before"] for c in plan["constraints"]} == set(order[1:])
+    # A credit of two kernels: pairs, the second pair released by the first's arrival.
+    kernel = rows[0]["bytes"]
+    code, out, _ = run(capsys, "schedule", files["pb"], "--algo", "tic", "--json",
+                       "--credit", 2 * kernel, "--window", 1)
+    plan = json.loads(out)
+    assert [row["group"] for row in plan["orders"]["/job:worker/task:0"]] == [0, 0, 1, 1]
+    assert {c["before"] for c in plan["constraints"]} == set(order[2:])
+    (gate,) = plan["gate_nodes"]
+    assert gate["consumes"] == order[:2]
     code, out, _ = run(capsys, "schedule", files["pb"], "--algo", "tac", "--profile",
                        files["profile"])
     assert code == 0 and "TAC order of the 4 transfers" in out and "->" in out

@@ -15,7 +15,7 @@ from tfoverlap.costs.trace import recv_events
 from tfoverlap.testbed.cluster import LocalCluster
 from tfoverlap.testbed.models import control_flow_model
 
-from helpers import latest_report_with_transfers
+from helpers import SERIAL, latest_report_with_transfers
 
 PS, WORKER = "/job:ps/task:0", "/job:worker/task:0"
 
@@ -145,9 +145,12 @@ def test_a_cycle_through_a_loop_body_is_a_cycle(control_flow_v1):
         verify_graph_def(graph_def)
 
 
-@pytest.mark.parametrize("options", [dict(schedule="tic"), dict(schedule="tac"),
-                                     dict(schedule="tic", window=2),
-                                     dict(schedule="tic", gate="consumer")])
+
+
+@pytest.mark.parametrize("options", [dict(schedule="tic", **SERIAL),
+                                     dict(schedule="tac", **SERIAL),
+                                     dict(schedule="tic", credit="1KB", force=True),
+                                     dict(schedule="tic", gate="consumer", **SERIAL)])
 def test_a_graph_grappler_showed_in_its_second_round(options):
     """What Grappler passed TfOverlap in its second round for a TF1-control-flow model with
     ref variables: earlier arrival gates kept (they are preserved), a Switch of a variable
@@ -214,8 +217,9 @@ def test_random_nests_of_conds_and_loops_pass_the_verifier(version, caplog):
     try:
         for seed in range(12):
             graph_def = _random_graph(seed, use_resource=seed % 2 == 0)
-            variants = [dict(schedule="tic"), dict(schedule="tac"),
-                        dict(schedule="tic", window=2), dict(schedule="tic", gate="consumer"),
+            variants = [dict(schedule="tic", **SERIAL), dict(schedule="tac", **SERIAL),
+                        dict(schedule="tic", credit=64, force=True),
+                        dict(schedule="tic", gate="consumer", **SERIAL),
                         dict(schedule="none", allreduce="caramel", ranks=2)]
             for options in variants:
                 # strict: a pass output that fails verification raises here.
@@ -238,9 +242,9 @@ def cluster():
 
 
 STEPS = 4
-SCHEDULES = {"tic": dict(schedule="tic"), "tac": dict(schedule="tac"),
-             "window2": dict(schedule="tic", window=2),
-             "consumer": dict(schedule="tic", gate="consumer")}
+SCHEDULES = {"tic": dict(schedule="tic", **SERIAL), "tac": dict(schedule="tac", **SERIAL),
+             "credit": dict(schedule="tic", credit=600, window=1, force=True),
+             "consumer": dict(schedule="tic", gate="consumer", **SERIAL)}
 _defaults: dict = {}
 
 
@@ -290,14 +294,21 @@ def test_control_flow_models_train_like_the_default(cluster, schedule, use_resou
     assert len(planned) >= 4 and left_out.get("in a cond branch", 0) >= 2
     if version == "v2" and use_resource:
         assert left_out.get("in a while loop") == 1, left_out
-    # Transfer k + window leaves the PS only once transfer k has arrived, so it arrives
-    # later (a worker may ask for it earlier: arrivals, not requests, show the order; and
-    # with a window of 2, transfers k and k + 1 are in flight together). A transfer whose
-    # only consumers sit in a branch not taken may not happen at all.
-    window = SCHEDULES[schedule].get("window", 1)
+    # Release group j + window leaves the PS only once every transfer of group j has
+    # arrived, so each of its transfers arrives later (a worker may ask for it earlier:
+    # arrivals, not requests, show the order; the transfers of one group, and of the
+    # groups in flight together, may arrive in any order). A transfer whose only
+    # consumers sit in a branch not taken may not happen at all.
+    window = summary["window"]
+    (sizes,) = summary["release_groups"].values()
+    if schedule == "credit":
+        assert 2 <= len(sizes) < len(planned), sizes
+    bounds = np.cumsum([0] + sizes)
+    groups = [planned[a:b] for a, b in zip(bounds, bounds[1:])]
     for arrived in orders:
         assert sum(name in arrived for name in planned) >= len(planned) - 2, (arrived, planned)
-        late = [(a, b) for a, b in zip(planned, planned[window:])
+        late = [(a, b) for earlier, later in zip(groups, groups[window:])
+                for a in earlier for b in later
                 if a in arrived and b in arrived and arrived[a] > arrived[b]]
         assert not late, f"arrived out of the planned order: {late}"
 

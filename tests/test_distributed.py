@@ -14,7 +14,7 @@ from tfoverlap.testbed.cluster import LocalCluster
 from tfoverlap.testbed.models import chain_model
 from tfoverlap.costs.trace import observed_transfer_order
 
-from helpers import traced_run
+from helpers import SERIAL, latest_report_with_transfers, traced_run
 
 STEPS = 20
 
@@ -60,7 +60,7 @@ def one_ps_cluster():
 def test_tic_order_is_observed_on_every_step(one_ps_cluster, use_resource):
     model = chain_model(16, width=256, batch=32, use_resource=use_resource)
     expected = forward_order(model)
-    config = tfoverlap.session_config(schedule="tic")
+    config = tfoverlap.session_config(schedule="tic", **SERIAL)
     with tf.compat.v1.Session(one_ps_cluster.target(), graph=model.graph, config=config) as s:
         s.run(model.init)
         s.run(model.loss)
@@ -84,7 +84,7 @@ def test_two_ps_tasks():
     with LocalCluster(num_ps=2, num_workers=1) as cluster:
         cluster.start_worker_in_process(0)
         model = chain_model(16, width=256, batch=32, num_ps=2)
-        config = tfoverlap.session_config(schedule="tic")
+        config = tfoverlap.session_config(schedule="tic", **SERIAL)
         with tf.compat.v1.Session(cluster.target(), graph=model.graph, config=config) as s:
             s.run(model.init)
             s.run(model.loss)
@@ -101,7 +101,7 @@ def test_two_workers_each_observe_the_order():
 
         def work(task):
             model = chain_model(16, width=256, batch=32, worker_device=f"/job:worker/task:{task}")
-            config = tfoverlap.session_config(schedule="tic")
+            config = tfoverlap.session_config(schedule="tic", **SERIAL)
             with tf.compat.v1.Session(cluster.target(task), graph=model.graph,
                                       config=config) as s:
                 if task == 0:
@@ -130,10 +130,38 @@ def test_training_losses_are_equal_with_and_without_the_flag():
             cluster.start_worker_in_process(0)
             model = chain_model(8, width=64, batch=16, training=True, seed=3)
             config = (tf.compat.v1.ConfigProto() if schedule == "off"
-                      else tfoverlap.session_config(schedule=schedule))
+                      else tfoverlap.session_config(schedule=schedule, **SERIAL))
             with tf.compat.v1.Session(cluster.target(), graph=model.graph, config=config) as s:
                 s.run(model.init)
                 losses[schedule] = [s.run([model.loss, model.train_op])[0] for _ in range(10)]
     assert losses["off"][0] > losses["off"][-1], "the model should learn"
     np.testing.assert_array_equal(losses["off"], losses["tic"])
     np.testing.assert_array_equal(losses["off"], losses["tac"])
+
+
+def test_release_groups_arrive_group_by_group(one_ps_cluster):
+    """Credit of two kernels, one group in flight: every transfer of group j + 1 arrives
+    after every transfer of group j, each group gated by one IdentityN of the one before."""
+    from tfoverlap.costs.trace import recv_events
+    model = chain_model(16, width=256, batch=32)
+    kernel = 256 * 256 * 4
+    config = tfoverlap.session_config(schedule="tic", credit=2.5 * kernel, window=1, force=True)
+    with tf.compat.v1.Session(one_ps_cluster.target(), graph=model.graph, config=config) as s:
+        s.run(model.init)
+        s.run(model.loss)
+        arrivals = []
+        for _ in range(5):
+            _, metadata = traced_run(s, model.loss)
+            arrivals.append({e.source: e.start_micros + e.duration_micros
+                             for e in recv_events(metadata)
+                             if e.bytes > 0 and "/job:worker/" in e.destination_device})
+    _, entry = latest_report_with_transfers()
+    (planned,) = entry.summary["order"].values()
+    (sizes,) = entry.summary["release_groups"].values()
+    assert sizes == [2] * 8 and entry.summary["gates"] == 7
+    groups = [planned[k:k + 2] for k in range(0, 16, 2)]
+    for arrived in arrivals:
+        assert set(arrived) == set(planned)
+        for earlier, later in zip(groups, groups[1:]):
+            assert max(arrived[a] for a in earlier) < min(arrived[b] for b in later), (
+                earlier, later, arrived)

@@ -11,7 +11,7 @@ from tfoverlap.passes.base import PassResult
 from tfoverlap.integrations.grappler import library_path
 from tfoverlap.testbed.models import chain_model
 
-from helpers import (LOCAL_PS, latest_report_with_transfers, local_config,
+from helpers import (LOCAL_PS, SERIAL, latest_report_with_transfers, local_config,
                      observed_local_order, run_python, traced_run)
 
 
@@ -23,7 +23,8 @@ def local_chain(**kwargs):
 @pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
 def test_session_with_flag_observes_the_planned_order(use_resource):
     model = local_chain(use_resource=use_resource)
-    with tf.compat.v1.Session(graph=model.graph, config=local_config(schedule="tic")) as sess:
+    config = local_config(schedule="tic", **SERIAL)
+    with tf.compat.v1.Session(graph=model.graph, config=config) as sess:
         sess.run(model.init)
         observed = []
         for _ in range(5):
@@ -43,7 +44,8 @@ def test_session_with_flag_observes_the_planned_order(use_resource):
 def test_flag_does_not_change_results():
     model = local_chain()
     values = []
-    for config in (local_config(), local_config(schedule="tic"), local_config(schedule="tac")):
+    for config in (local_config(), local_config(schedule="tic", **SERIAL),
+                   local_config(schedule="tac", **SERIAL)):
         with tf.compat.v1.Session(graph=model.graph, config=config) as sess:
             sess.run(model.init)
             values.append(sess.run(model.loss))
@@ -163,7 +165,8 @@ def test_tf_function_path_runs_the_pass_and_orders_reads():
             return tf.reduce_sum(x)
 
         x = tf.ones([8, 64])
-        with tfoverlap.tf_function_options(schedule="tic", ps_devices="/device:CPU:1"):
+        with tfoverlap.tf_function_options(schedule="tic", ps_devices="/device:CPU:1",
+                                           credit=0, window=1, force=True):
             value = forward(x).numpy()
         reports = [r for r in tfoverlap.recent_reports()
                    if any(p.summary.get("transfers") for p in r.passes)]

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tfoverlap.schedulers.tictac import (group_dependency_sets, tac_order, tic_order,
-                                         transfer_priorities)
+from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups, tac_order,
+                                         tic_order, transfer_priorities)
 
 
 def bits(*transfers):
@@ -171,3 +171,25 @@ def test_grouping_merges_equal_sets_and_drops_free_ops():
     rows = {tuple(row): c for row, c in zip(sets.matrix.tolist(), sets.compute.tolist())}
     assert rows == {(True, False): 3.0, (False, True): 4.0}
     assert np.asarray(sets.matrix).dtype == bool
+
+
+def test_release_groups_fill_up_to_the_credit_and_a_large_transfer_goes_alone():
+    assert release_groups([1, 1, 5, 1, 1, 1], credit=3) == [[0, 1], [2], [3, 4, 5]]
+    assert release_groups([4, 4, 4], credit=8) == [[0, 1], [2]]
+    assert release_groups([1, 2, 3], credit=0) == [[0], [1], [2]]
+    assert release_groups([], credit=5) == []
+    with pytest.raises(ValueError, match="credit must be non-negative"):
+        release_groups([1], credit=-1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 100), max_size=30), st.integers(0, 150))
+def test_release_groups_cover_the_order_once_and_respect_the_credit(sizes, credit):
+    groups = release_groups(sizes, credit)
+    assert [p for group in groups for p in group] == list(range(len(sizes)))
+    for group, following in zip(groups, groups[1:]):
+        assert len(group) == 1 or sum(sizes[p] for p in group) <= credit
+        # The next transfer did not fit (else it would have joined).
+        assert credit == 0 or sum(sizes[p] for p in group) + sizes[following[0]] > credit
+    if credit == 0:
+        assert len(groups) == len(sizes)

@@ -12,6 +12,10 @@ from tfoverlap.graph.verify import verify_graph_def
 from tfoverlap.rewriters.control_edges import ARRIVAL_ATTR, GATES_ATTR
 from tfoverlap.testbed.models import chain_model
 
+from helpers import SERIAL
+
+
+
 
 def chain_graph_def(num_layers=16, **kwargs):
     return chain_model(num_layers=num_layers, width=32, batch=4, **kwargs).graph.as_graph_def()
@@ -31,7 +35,7 @@ def layer_of(name, graph_def):
 @pytest.mark.parametrize("schedule", ["tic", "tac"])
 def test_chain_is_ordered_front_to_back(use_resource, schedule):
     graph_def = chain_graph_def(use_resource=use_resource)
-    new, report = tfoverlap.optimize(graph_def, schedule=schedule)
+    new, report = tfoverlap.optimize(graph_def, schedule=schedule, **SERIAL)
     (summary,) = [p.summary for p in report.passes]
     (order,) = summary["order"].values()
     assert [layer_of(name, graph_def) for name in order] == list(range(16))
@@ -44,7 +48,8 @@ def test_chain_is_ordered_front_to_back(use_resource, schedule):
 def test_rewrite_keeps_every_dependency_and_adds_only_marked_edges(num_ps, window):
     graph_def = chain_graph_def(num_ps=num_ps, training=True)
     original = graph_def.SerializeToString()
-    new, report = tfoverlap.optimize(graph_def, schedule="tic", window=window)
+    new, report = tfoverlap.optimize(graph_def, schedule="tic", window=window, credit=0,
+                                     force=True)
     assert graph_def.SerializeToString() == original, "the input was modified"
     assert report.modified
     old_nodes = {n.name: n for n in graph_def.node}
@@ -67,17 +72,18 @@ def test_rewrite_keeps_every_dependency_and_adds_only_marked_edges(num_ps, windo
 
 def test_second_run_changes_nothing():
     graph_def = chain_graph_def(training=True)
-    once, _ = tfoverlap.optimize(graph_def, schedule="tic")
-    twice, report = tfoverlap.optimize(once, schedule="tic")
+    once, first = tfoverlap.optimize(graph_def, schedule="tic", credit="10KB", force=True)
+    assert first.modified
+    twice, report = tfoverlap.optimize(once, schedule="tic", credit="10KB", force=True)
     assert not report.modified
     assert twice.SerializeToString() == once.SerializeToString()
 
 
 def test_replanning_replaces_earlier_edges():
     graph_def = chain_graph_def()
-    ordered, _ = tfoverlap.optimize(graph_def, schedule="tic", window=2)
-    reordered, _ = tfoverlap.optimize(ordered, schedule="tic", window=1)
-    direct, _ = tfoverlap.optimize(graph_def, schedule="tic", window=1)
+    ordered, _ = tfoverlap.optimize(graph_def, schedule="tic", credit="10KB", force=True)
+    reordered, _ = tfoverlap.optimize(ordered, schedule="tic", **SERIAL)
+    direct, _ = tfoverlap.optimize(graph_def, schedule="tic", **SERIAL)
     assert reordered.SerializeToString(deterministic=True) == direct.SerializeToString(
         deterministic=True)
 
@@ -104,7 +110,8 @@ def test_gates_never_wait_for_later_transfers_in_shared_consumers():
         with tf.device("/job:worker/task:0"):
             first = tf.matmul(tf.ones([2, 8]), a, name="first")
             tf.reduce_sum(tf.matmul(first, tf.matmul(b, c, name="b_times_c")))
-    new, report = tfoverlap.optimize(graph.as_graph_def(), schedule="tic", gate="consumer")
+    new, report = tfoverlap.optimize(graph.as_graph_def(), schedule="tic", gate="consumer",
+                                     **SERIAL)
     verify_graph_def(new)
     (order,) = report.passes[0].summary["order"].values()
     # TIC: b and c unblock an op with two transfers (M+ 2), a only with three.
@@ -182,13 +189,14 @@ def random_ps_graph_def(seed, num_variables, num_ops, use_resource):
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 12), st.integers(1, 25), st.booleans(),
-       st.sampled_from(["tic", "tac"]), st.integers(1, 3), st.sampled_from(["arrival", "consumer"]))
+       st.sampled_from(["tic", "tac"]), st.integers(1, 3), st.sampled_from(["arrival", "consumer"]),
+       st.sampled_from([0, 64, 200, "auto"]))
 def test_random_graphs_stay_acyclic_and_keep_every_dependency(seed, num_variables, num_ops,
                                                               use_resource, schedule, window,
-                                                              gate):
+                                                              gate, credit):
     graph_def = random_ps_graph_def(seed, num_variables, num_ops, use_resource)
-    new, report = tfoverlap.optimize(graph_def, schedule=schedule, window=window, gate=gate,
-                                     strict=True)
+    options = dict(schedule=schedule, window=window, gate=gate, credit=credit, force=True)
+    new, report = tfoverlap.optimize(graph_def, strict=True, **options)
     verify_graph_def(new)
     old_nodes = {n.name: n for n in graph_def.node}
     for node in new.node:
@@ -198,7 +206,7 @@ def test_random_graphs_stay_acyclic_and_keep_every_dependency(seed, num_variable
         before = list(old_nodes[node.name].input)
         assert list(node.input[:len(before)]) == before
         assert all(text.startswith("^") for text in node.input[len(before):])
-    again, second = tfoverlap.optimize(new, schedule=schedule, window=window, gate=gate)
+    again, second = tfoverlap.optimize(new, **options)
     assert not second.modified
 
 
@@ -218,7 +226,89 @@ def test_a_source_computed_from_another_source_is_ordered_after_it(schedule):
             for _ in range(4):
                 hidden = tf.tanh(tf.matmul(hidden, scaled))
             tf.reduce_sum(tf.matmul(hidden, read), name="loss")
-    new, report = tfoverlap.optimize(graph.as_graph_def(), schedule=schedule, strict=True)
+    new, report = tfoverlap.optimize(graph.as_graph_def(), schedule=schedule, strict=True,
+                                     **SERIAL)
     (order,) = report.passes[0].summary["order"].values()
     assert order == ["read", "scaled"]
+    verify_graph_def(new)
+
+
+def test_release_groups_share_one_gate_that_waits_for_the_whole_group():
+    """With a credit of about two kernels, transfers go in pairs: group j+2 leaves the PS
+    when every transfer of group j has arrived, through one IdentityN on the worker."""
+    from tfoverlap.options import parse_options
+    from tfoverlap.planning.tictac import plan_transfer_order
+    graph_def = chain_graph_def()
+    kernel_bytes = 32 * 32 * 4
+    options = dict(schedule="tic", credit=2.5 * kernel_bytes, window=2, force=True)
+    plan = plan_transfer_order(graph_def, parse_options(options))
+    ((destination, groups),) = plan.groups.items()
+    assert [len(g) for g in groups] == [2] * 8
+    new, report = tfoverlap.optimize(graph_def, **options)
+    verify_graph_def(new)
+    summary = report.passes[0].summary
+    assert summary["release_groups"] == {destination: [2] * 8}
+    assert summary["gates"] == 6 and summary["ordering_edges"] == 12
+    nodes = {n.name: n for n in new.node}
+    source_name = {t: plan.model.names[plan.transfers[t].source] for g in groups for t in g}
+    for j, group in enumerate(groups[2:], start=2):
+        for t in group:
+            (gate,) = [g.decode() for g in nodes[source_name[t]].attr[GATES_ATTR].list.s]
+            assert nodes[gate].op == "IdentityN" and nodes[gate].attr[ARRIVAL_ATTR].b
+            assert nodes[gate].device == destination
+            assert sorted(nodes[gate].input) == sorted(source_name[u] for u in groups[j - 2])
+    for group in groups[:2]:
+        assert all(GATES_ATTR not in nodes[source_name[t]].attr for t in group)
+
+
+def ps_graph_def(kernel_size, num_layers, batch, repeats):
+    """Layers of ``kernel_size``^2 float kernels on the PS, each used ``repeats`` times by a
+    [batch, kernel_size] activation on the worker: compute grows with batch x repeats."""
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/job:ps/task:0"):
+            kernels = [tf.compat.v1.get_variable(f"kernel{k}", [kernel_size] * 2)
+                       for k in range(num_layers)]
+        with tf.device("/job:worker/task:0"):
+            hidden = tf.ones([batch, kernel_size])
+            for kernel in kernels:
+                weights = tf.identity(kernel)      # one transfer per kernel
+                for _ in range(repeats):
+                    hidden = tf.tanh(tf.matmul(hidden, weights))
+            tf.reduce_sum(hidden, name="loss")
+    return graph.as_graph_def()
+
+
+def test_pass_declines_where_computation_hides_the_transfers(caplog):
+    # 8 x 4 KB of parameters against 8 x 64 matmuls of 4096 x 32 x 32: at 10 GFLOP/s the
+    # compute takes ~13 ms, the transfers 26 us at 10 Gbit/s.
+    graph_def = ps_graph_def(kernel_size=32, num_layers=8, batch=4096, repeats=64)
+    caplog.set_level(logging.INFO, logger="tfoverlap")
+    options = dict(schedule="tic", bandwidth="10Gbit", flops=1e10)
+    new, report = tfoverlap.optimize(graph_def, **options)
+    assert new is graph_def and not report.modified
+    summary = report.passes[0].summary
+    assert summary["transfers"] == 8 and summary["predicted_gain"] < 0.03
+    assert summary["comp_ms"] > 100 * summary["comm_ms"]
+    assert "ordering can gain at most" in summary["declined"]
+    assert "below min_gain 3.0%" in summary["declined"]
+    lines = [r for r in caplog.records if "below min_gain" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    # force=True orders anyway; a min_gain of 0 accepts any gain. (The whole 32 KB would
+    # be one release group at the automatic credit: a credit of 0 makes one per kernel.)
+    for override in (dict(force=True), dict(min_gain=0)):
+        forced, report = tfoverlap.optimize(graph_def, **options, credit=0, **override)
+        assert report.modified and "declined" not in report.passes[0].summary
+        verify_graph_def(forced)
+
+
+def test_pass_acts_where_transfers_and_computation_are_comparable():
+    # 8 x 4 MB of parameters (26 ms at 10 Gbit/s) against 8 matmuls of 16 x 1024 x 1024
+    # (27 ms at 10 GFLOP/s): ordering can hide most of one behind the other.
+    graph_def = ps_graph_def(kernel_size=1024, num_layers=8, batch=16, repeats=1)
+    new, report = tfoverlap.optimize(graph_def, schedule="tic", bandwidth="10Gbit", flops=1e10)
+    assert report.modified
+    summary = report.passes[0].summary
+    assert summary["predicted_gain"] > 0.3 and "declined" not in summary
+    assert summary["ordering_edges"] > 0
     verify_graph_def(new)

@@ -95,7 +95,7 @@ def _options(args, schedule: str):
     from tfoverlap.options import parse_options
     try:
         return parse_options({"schedule": schedule, "window": args.window,
-                              "ps_devices": args.ps_devices,
+                              "credit": args.credit, "ps_devices": args.ps_devices,
                               "profile": getattr(args, "profile", "") or ""})
     except ValueError as error:
         raise CliError(str(error)) from None
@@ -123,7 +123,8 @@ def _inspect(args) -> int:
     from tfoverlap.planning.tictac import dependency_bits
     graph_def = load_graph(args.graph)
     profile = _load_profile(args.profile)
-    model, transfers, orders, _, _, _ = _plan(graph_def, args, "tic")
+    plan = _plan(graph_def, args, "tic")
+    model, transfers = plan.model, plan.transfers
     devices = model.colocated_devices()
     is_ps = DeviceMatcher(args.ps_devices)
     print(f"{args.graph}: {model.num_nodes} nodes")
@@ -201,20 +202,24 @@ def _schedule(args) -> int:
     graph_def = load_graph(args.graph)
     if args.algo == "caramel":
         return _schedule_allreduce(graph_def, args)
-    model, transfers, orders, edges, arrivals, notes = _plan(graph_def, args, args.algo)
+    schedule = _plan(graph_def, args, args.algo)
+    model, transfers, notes = schedule.model, schedule.transfers, schedule.notes
     left_out = notes.get("transfers_left_out", {})
     if not transfers:
         inside = (f"; {sum(map(len, left_out.values()))} sit inside control flow and are "
                   "left alone" if left_out else "")
         raise CliError(f"no parameter transfers to order in {args.graph} (PS devices "
                        f"{args.ps_devices!r}){inside}; nothing to schedule")
-    plan = {"algorithm": args.algo, "window": args.window, "orders": {}, "constraints": [
-        {"after": gate, "before": read} for gate, read in edges],
-        "gate_nodes": [{"name": a.name, "consumes": a.tensor, "device": a.device}
-                       for a in arrivals], "notes": notes}
-    for destination, order in orders.items():
+    group_of = {t: j for groups in schedule.groups.values() for j, group in enumerate(groups)
+                for t in group}
+    plan = {"algorithm": args.algo, "window": args.window, "credit": args.credit,
+            "credit_bytes": schedule.credit, "orders": {}, "constraints": [
+                {"after": gate, "before": read} for gate, read in schedule.edges],
+            "gate_nodes": [{"name": a.name, "consumes": list(a.tensors), "device": a.device}
+                           for a in schedule.arrivals], "notes": notes}
+    for destination, order in schedule.orders.items():
         plan["orders"][destination] = [
-            {"position": k, "transfer": model.names[transfers[t].source],
+            {"position": k, "group": group_of[t], "transfer": model.names[transfers[t].source],
              "bytes": tensor_bytes(graph_def, model, transfers[t].source),
              "first_consumer": model.names[transfers[t].consumers[0]]}
             for k, t in enumerate(order)]
@@ -223,13 +228,17 @@ def _schedule(args) -> int:
         print()
         return 0
     for destination, rows in plan["orders"].items():
-        print(f"{args.algo.upper()} order of the {len(rows)} transfers to {destination or '(unplaced)'}:")
-        print(f"  {'#':>4}  {'transfer (PS-side source)':<48} {'size':>12}  first consumer")
+        print(f"{args.algo.upper()} order of the {len(rows)} transfers to "
+              f"{destination or '(unplaced)'}, in {len(schedule.groups[destination])} release "
+              f"groups of up to {_megabytes(schedule.credit[destination])}:")
+        print(f"  {'#':>4} {'group':>5}  {'transfer (PS-side source)':<48} {'size':>12}  "
+              "first consumer")
         for row in rows:
-            print(f"  {row['position']:>4}  {row['transfer']:<48} {_megabytes(row['bytes']):>12}  "
-                  f"{row['first_consumer']}")
-    print(f"ordering constraints the pass adds ({len(edges)}; window {args.window}): "
-          "'A -> B' means B (a PS-side read) waits for A")
+            print(f"  {row['position']:>4} {row['group']:>5}  {row['transfer']:<48} "
+                  f"{_megabytes(row['bytes']):>12}  {row['first_consumer']}")
+    edges = schedule.edges
+    print(f"ordering constraints the pass adds ({len(edges)}; group j+{args.window} waits for "
+          f"group j): 'A -> B' means B (a PS-side read) waits for A")
     for constraint in plan["constraints"][:args.top]:
         print(f"  {constraint['after']} -> {constraint['before']}")
     if len(edges) > args.top:
@@ -373,7 +382,8 @@ def _scenario(args, **overrides):
     try:
         values = {"workers": args.workers, "bandwidth": parse_bandwidth(args.bandwidth),
                   "latency": args.latency_us * 1e-6, "threads": args.threads,
-                  "window": args.window, "seeds": args.seeds, "ps_devices": args.ps_devices,
+                  "window": args.window, "credit": args.credit, "seeds": args.seeds,
+                  "ps_devices": args.ps_devices,
                   "ps_tasks": args.ps, "chunk_bytes": args.chunk_mb * 1e6}
         values.update(overrides)
         scenario = Scenario(**values)
@@ -469,7 +479,11 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--ps-devices", default="/job:ps",
                              help="comma-separated device specs of the PS tasks")
         command.add_argument("--profile", default="", help="a tfoverlap profile (JSON)")
-        command.add_argument("--window", type=int, default=1)
+        command.add_argument("--window", type=int, default=2,
+                             help="release groups in flight (the option 'window')")
+        command.add_argument("--credit", default="auto",
+                             help="bytes per release group, e.g. 4MB, or auto (the option "
+                                  "'credit')")
         command.add_argument("--top", type=int, default=10, help="rows to show")
         return command
 

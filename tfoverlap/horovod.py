@@ -105,22 +105,11 @@ def _from_rank0(values: list[float], name: str) -> list[float]:
         return [float(v) for v in session.run(agreed, {fed: values})]
 
 
-def measure_flops(size: int = 768, repeats: int = 5) -> float:
-    """FLOP/s of a float32 matrix product on this machine, for Caramel's op time estimates
-    when nothing was profiled; rank 0's value, broadcast to every rank."""
-    import tensorflow as tf
-    data = np.random.default_rng(0).random((size, size), dtype=np.float32)
-    with tf.Graph().as_default() as graph:
-        matrix = tf.compat.v1.placeholder(tf.float32, data.shape)
-        product = tf.reduce_sum(tf.matmul(matrix, matrix))
-    with tf.compat.v1.Session(graph=graph) as session:
-        times = []
-        for _ in range(repeats + 1):
-            began = time.perf_counter()
-            session.run(product, {matrix: data})
-            times.append(time.perf_counter() - began)
-    rate = 2 * size ** 3 / max(float(np.median(times[1:])), 1e-9)
-    return _from_rank0([rate], "tfoverlap_measure_flops")[0]
+def measure_flops() -> float:
+    """This host's FLOP/s (:func:`tfoverlap.costs.host.measure_flops`), for Caramel's op
+    time estimates when nothing was profiled; rank 0's value, broadcast to every rank."""
+    from tfoverlap.costs.host import measure_flops as measure_this_host
+    return _from_rank0([measure_this_host()], "tfoverlap_measure_flops")[0]
 
 
 def host_facts() -> dict:

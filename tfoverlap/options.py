@@ -27,7 +27,20 @@ class Options:
 
     schedule:    parameter-server transfer ordering: "tic" (from the DAG alone), "tac"
                  (from profiled or estimated times) or "none".
-    window:      how many ordered transfers may be in flight at once (1 = strictly serial).
+    credit:      bytes of ordered transfers that leave a PS together (a release group):
+                 consecutive transfers in the order share one gate while their bytes stay
+                 within the credit, and a larger one goes alone. "auto" (default): the
+                 link's bandwidth x round_trip (what keeps it busy across a gate's round
+                 trip), and at least 1/32 of the bytes ordered per step (so one step pays
+                 at most about 32 gate messages). 0: one transfer per group.
+    window:      how many release groups may be in flight at once: group j leaves the PS
+                 when group j-window has arrived (1 = strictly serial; 2 keeps one group
+                 in flight while the next is released).
+    round_trip:  seconds from a gate firing on the worker to the released transfer's first
+                 byte (the control message to the PS and its response), for credit="auto".
+    min_gain:    act only where the predicted gain is at least this fraction of the step
+                 (0.03 = 3%); below it a pass leaves the graph unchanged and says why.
+    force:       act even where the predicted gain is below min_gain.
     gate:        what releases the next transfer: "arrival" (a tiny worker-side Identity
                  that runs when the previous transfer has arrived) or "consumer" (the first
                  worker op that uses it, which also waits for its other inputs; an arrival
@@ -47,7 +60,10 @@ class Options:
     bucket_bytes: Caramel: the largest bucket of several gradients (pipelining: the
                  reduction of one bucket overlaps the copies of the next).
     flops:       FLOP/s for estimating op times when there is no profile (Caramel's ready
-                 times; only the relation to the network matters).
+                 times, TicTac's gain estimate; only the relation to the network matters).
+                 0 (default): TicTac measures this host once per process; Caramel, whose
+                 ranks must plan alike, takes 2e10 (the Horovod wrappers give it rank 0's
+                 measured value).
     threads:     Caramel: a rank's compute threads (TensorFlow's inter-op pool) in the
                  ready-time simulation; 0 takes this host's CPU count.
     cycle_ms:    Caramel: Horovod's cycle time in ms, part of each bucket's cost; 0 takes
@@ -60,7 +76,11 @@ class Options:
     """
 
     schedule: str = "tic"
-    window: int = 1
+    credit: float | str = "auto"
+    window: int = 2
+    round_trip: float = 1e-3
+    min_gain: float = 0.03
+    force: bool = False
     gate: str = "arrival"
     ps_devices: str = "/job:ps"
     profile: str = ""
@@ -70,7 +90,7 @@ class Options:
     latency: float = 50e-6
     split_bytes: float = 64e6
     bucket_bytes: float = 4 * 2 ** 20
-    flops: float = 2e10
+    flops: float = 0.0
     threads: int = 0
     cycle_ms: float = 0.0
     strict: bool = False
@@ -139,6 +159,25 @@ def _as_float(name: str, value: Any) -> float:
     return number
 
 
+def _parse_credit(value: Any) -> float | str:
+    """"auto" or bytes: a number or a size such as "4MB", "512KB", "1MiB"."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    text = str(value).strip()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMG]i?B|B)?", text,
+                         re.IGNORECASE)
+    if isinstance(value, bool) or match is None:
+        raise ValueError(f"option 'credit' must be 'auto' or bytes (a number, or a size like "
+                         f"'4MB'), got {value!r}")
+    unit = (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9,
+             "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}[unit]
+    credit = float(match.group(1)) * scale
+    if credit == float("inf"):
+        raise ValueError(f"option 'credit' must be finite, got {value!r}")
+    return credit
+
+
 def _validate_ps_devices(value: str) -> str:
     specs = [spec.strip() for spec in value.split(",") if spec.strip()]
     if not specs:
@@ -183,9 +222,11 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             if value < 0:
                 raise ValueError(f"option {name!r} must be 0 (ask the host) or more, "
                                  f"got {value}")
-        elif name in ("latency", "split_bytes", "bucket_bytes", "flops", "cycle_ms"):
+        elif name in ("latency", "split_bytes", "bucket_bytes", "flops", "cycle_ms",
+                      "round_trip", "min_gain"):
             value = _as_float(name, value)
-            lowest = "non-negative" if name in ("latency", "cycle_ms") else "positive"
+            lowest = ("positive" if name in ("split_bytes", "bucket_bytes") else
+                      "non-negative")
             if value < 0 or (lowest == "positive" and value == 0):
                 raise ValueError(f"option {name!r} must be {lowest}, got {value}")
         elif name == "window":
@@ -201,7 +242,9 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
                 value = parse_bandwidth(value)
             except ValueError as error:
                 raise ValueError(f"option 'bandwidth': {error}") from None
-        elif name == "strict":
+        elif name == "credit":
+            value = _parse_credit(value)
+        elif name in ("strict", "force"):
             value = _as_bool(name, value)
         parsed[name] = value
     options = Options(**parsed)

@@ -2,12 +2,14 @@
 
 The plan (:mod:`tfoverlap.planning.tictac`) says which gate each transfer's PS-side source
 waits for; the pass strips the edges of an earlier run, adds the plan's, and reports.
+Where ordering cannot gain ``min_gain`` of a step (the computation hides the transfers, or
+the transfers dwarf it) the pass leaves the graph as it is and says why, unless ``force``.
 """
 from __future__ import annotations
 
-from tfoverlap.log import logger
+from tfoverlap.log import logger, warn_once
 from tfoverlap.passes.base import PassContext, PassResult
-from tfoverlap.planning.tictac import plan_transfer_order
+from tfoverlap.planning.tictac import estimate_gain, plan_transfer_order
 from tfoverlap.rewriters.control_edges import add_ordering_edges, strip_ordering_edges
 
 __all__ = ["tictac_pass"]
@@ -15,34 +17,69 @@ __all__ = ["tictac_pass"]
 
 def tictac_pass(graph_def, context: PassContext) -> PassResult:
     """Orders PS transfers (TIC or TAC) and enforces the order with control edges."""
+    options = context.options
     clean, stripped = strip_ordering_edges(graph_def, keep=context.preserved_nodes)
-    model, transfers, orders, edges, arrivals, notes = plan_transfer_order(clean,
-                                                                          context.options)
-    if not transfers:
+    plan = plan_transfer_order(clean, options)
+    if not plan.transfers:
         logger.info("tfoverlap: graph %s has no transfer from a parameter-server device (%s) "
                     "outside control flow; nothing to order", context.item_id or "",
-                    context.options.ps_devices)
-        modified = stripped > 0
-        return PassResult(clean if modified else graph_def, modified=modified,
-                          summary={"transfers": 0, **_counted(notes)})
-    used = {gate for gate, _ in edges}
-    rewritten, added = add_ordering_edges(clean, edges, [a for a in arrivals if a.name in used])
-    summary = {
-        "schedule": context.options.schedule,
-        "window": context.options.window,
-        "gate": context.options.gate,
-        "transfers": len(transfers),
-        "order": {destination: [model.names[transfers[t].source] for t in order]
-                  for destination, order in orders.items()},
+                    options.ps_devices)
+        return _unchanged(graph_def, clean, stripped,
+                          {"transfers": 0, **_counted(plan.notes)})
+    summary = {"schedule": options.schedule, "transfers": len(plan.transfers)}
+    estimate = _estimate(clean, plan, options)
+    if estimate is not None:
+        summary.update(predicted_gain=round(estimate.gain, 4),
+                       comm_ms=round(estimate.comm_seconds * 1e3, 3),
+                       comp_ms=round(estimate.comp_seconds * 1e3, 3))
+        if estimate.gain < options.min_gain and not options.force:
+            reason = (f"{estimate.describe()}, below min_gain {options.min_gain:.1%}; "
+                      "left unchanged (force=True orders anyway)")
+            logger.info("tfoverlap: graph %s: %s", context.item_id or "", reason)
+            return _unchanged(graph_def, clean, stripped,
+                              {**summary, "declined": reason, **_counted(plan.notes)})
+    used = {gate for gate, _ in plan.edges}
+    rewritten, added = add_ordering_edges(clean, plan.edges,
+                                          [a for a in plan.arrivals if a.name in used])
+    model = plan.model
+    summary.update({
+        "window": options.window,
+        "gate": options.gate,
+        "credit_bytes": {d: int(c) for d, c in plan.credit.items()},
+        "release_groups": {d: [len(group) for group in groups]
+                           for d, groups in plan.groups.items()},
+        "order": {destination: [model.names[plan.transfers[t].source] for t in order]
+                  for destination, order in plan.orders.items()},
         "ordering_edges": added,
-        **_counted(notes),
-    }
+        "gates": len(used),
+        **_counted(plan.notes),
+    })
     # Without earlier edges, any addition is a change; with them, unchanged means the same
     # edges and gates were added back (the costly comparison only happens then).
     modified = (added > 0 if not stripped else
                 rewritten.SerializeToString(deterministic=True)
                 != graph_def.SerializeToString(deterministic=True))
     return PassResult(rewritten if modified else graph_def, modified=modified, summary=summary)
+
+
+def _estimate(graph_def, plan, options):
+    """The gain estimate, or None (with one warning) where it cannot be made: the pass
+    then orders, as it would with ``force``."""
+    if options.force:
+        return None
+    try:
+        return estimate_gain(graph_def, plan, options)
+    except Exception as error:  # noqa: BLE001 - an estimate must never stop the pass
+        warn_once(f"tfoverlap: cannot estimate what ordering gains ({type(error).__name__}: "
+                  f"{error}); ordering anyway")
+        return None
+
+
+def _unchanged(graph_def, clean, stripped: int, summary: dict) -> PassResult:
+    """The graph without tfoverlap's edges: the input itself unless an earlier run left
+    edges, which then go."""
+    modified = stripped > 0
+    return PassResult(clean if modified else graph_def, modified=modified, summary=summary)
 
 
 def _counted(notes: dict) -> dict:

@@ -291,11 +291,19 @@ def request_latency(latency: float, ranks: int, cycle: float) -> float:
     return latency + (cycle / (2 * (ranks - 1)) if ranks > 1 else 0.0)
 
 
+#: Caramel's FLOP rate when none is given: a constant, since every rank must plan alike.
+DEFAULT_FLOPS = 2e10
+
+
+def planning_flops(options) -> float:
+    return options.flops or DEFAULT_FLOPS
+
+
 def _op_costs(graph_def, options) -> tuple[dict, dict, str]:
     """(op seconds, known tensor sizes, where the times came from)."""
     sizes: dict = {}
     try:
-        estimate = static_costs(graph_def, options.flops)
+        estimate = static_costs(graph_def, planning_flops(options))
         sizes = estimate.tensor_bytes
     except Exception as error:  # noqa: BLE001 - TensorFlow cannot import it: unit costs
         warn_once(f"tfoverlap: Caramel cannot estimate op times ({type(error).__name__}: "
@@ -330,7 +338,7 @@ class PlanInputs:
         """This rank's planning inputs, for a mismatch message that lets ranks be compared."""
         return (f"ranks={self.ranks}, threads={self.threads}, "
                 f"cycle={self.cycle_seconds * 1e3:g} ms, bandwidth={options.bandwidth:.6g} B/s, "
-                f"latency={options.latency:.6g} s, flops={options.flops:.6g}, "
+                f"latency={options.latency:.6g} s, flops={planning_flops(options):.6g}, "
                 f"op times from {self.ready_times_from}")
 
 

@@ -1,13 +1,19 @@
 """TicTac's plan for a parameter-server graph: the transfers, their order, and the gates.
 
 Per destination (worker) device: find the transfers, compute TIC or TAC's order
-(:mod:`tfoverlap.schedulers.tictac`), then pick for the transfer at position k+window a
-worker-side *gate* of the transfer at position k: an op on the worker that consumes that
-transfer and needs no transfer ordered after it. The gate runs only once transfer k has
-arrived, so at most ``window`` ordered transfers are outstanding; since each gate needs
-only earlier transfers, the edges can never close a cycle.
+(:mod:`tfoverlap.schedulers.tictac`), cut the order into *release groups* of about
+``credit`` bytes, and pick for group j+window a worker-side *gate* of group j: an op on
+the worker that runs once every transfer of group j has arrived (an Identity, or an
+IdentityN over the group) and needs no transfer ordered later. Every PS-side source of
+group j+window waits for that gate. Each gate costs one control message per PS task and
+step, so tiny tensors share one; while group j+1 is in flight the gate of group j
+releases group j+2 (window 2), so the link does not idle across the gate's round trip.
+Since each gate needs only earlier transfers, the edges can never close a cycle.
 """
 from __future__ import annotations
+
+import dataclasses
+import hashlib
 
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
@@ -18,9 +24,15 @@ from tfoverlap.graph.transfers import Transfer, find_transfers
 from tfoverlap.log import warn_once
 from tfoverlap.options import Options
 from tfoverlap.rewriters.control_edges import ARRIVAL_ATTR, ARRIVAL_PREFIX, ArrivalNode
-from tfoverlap.schedulers.tictac import group_dependency_sets, tac_order, tic_order
+from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups, tac_order,
+                                         tic_order)
 
-__all__ = ["plan_transfer_order", "dependency_bits"]
+__all__ = ["TransferPlan", "plan_transfer_order", "dependency_bits", "credit_bytes",
+           "GainEstimate", "estimate_gain",
+           "MOST_GATES_PER_STEP"]
+
+#: credit="auto" makes groups large enough that a step pays at most about this many gates.
+MOST_GATES_PER_STEP = 32
 
 
 def dependency_bits(model: GraphModel, topological: list[int], transfers: list[Transfer],
@@ -104,12 +116,77 @@ def _orderable(transfers: list[Transfer], flow: ControlFlow, model: GraphModel):
     return kept, left_out
 
 
-def plan_transfer_order(graph_def, options: Options):
-    """What the TicTac pass enforces, without the rewrite (the CLI's ``schedule`` shows it).
+@dataclasses.dataclass
+class TransferPlan:
+    """What the TicTac pass enforces (the CLI's ``schedule`` and the simulator show it).
 
-    Returns (model, the transfers it orders, {destination: [transfer index in order]},
-    [(gate name, source name)] edges, [ArrivalNode] new gate nodes, notes dict). Transfers
-    inside control flow are left out of the order (``notes["transfers_left_out"]``).
+    orders:   destination -> transfer indices in order.
+    groups:   destination -> release groups, each a list of transfer indices.
+    credit:   destination -> the credit its groups were cut with (bytes).
+    edges:    (gate name, PS-side source name): the source waits for the gate.
+    arrivals: new gate nodes the edges name.
+    notes:    what the report should say (transfers left out, estimates used ...).
+    """
+
+    model: GraphModel
+    transfers: list[Transfer]
+    orders: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    groups: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
+    credit: dict[str, float] = dataclasses.field(default_factory=dict)
+    edges: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    arrivals: list[ArrivalNode] = dataclasses.field(default_factory=list)
+    notes: dict = dataclasses.field(default_factory=dict)
+    sizes: list[float] = dataclasses.field(default_factory=list)    # bytes per transfer
+
+
+def credit_bytes(options: Options, ordered_bytes: float) -> float:
+    """The credit of one destination: the option, or for "auto" the link's bandwidth x
+    round trip and at least 1/MOST_GATES_PER_STEP of the bytes it orders."""
+    if options.credit != "auto":
+        return float(options.credit)
+    return max(options.bandwidth * options.round_trip, ordered_bytes / MOST_GATES_PER_STEP)
+
+
+def _transfer_sizes(graph_def, model: GraphModel, transfers: list[Transfer]) -> list[float]:
+    """Bytes of each transfer; an unknown size counts as the mean of the known ones."""
+    sizes = []
+    for transfer in transfers:
+        parts = [tensor_bytes(graph_def, model, transfer.source, slot) for slot in transfer.slots]
+        sizes.append(None if any(p is None for p in parts) else float(sum(parts)))
+    known = [s for s in sizes if s is not None]
+    fill = sum(known) / len(known) if known else 0.0
+    return [fill if s is None else s for s in sizes]
+
+
+def _arrival_node(graph_def, destination_index: int, destination: str,
+                  members: list[Transfer]) -> ArrivalNode | None:
+    """The gate that runs once every transfer of ``members`` has arrived, or None if no
+    member's dtype is known. Its name says which tensors it consumes, so a gate that an
+    earlier run left (and Grappler kept) is reused only for the same group."""
+    tensors, dtypes = [], []
+    for transfer in members:
+        source = graph_def.node[transfer.source]
+        dtype = output_dtype(source)
+        if dtype is None:
+            continue
+        slot = transfer.slots[0]
+        tensors.append(source.name if slot == 0 else f"{source.name}:{slot}")
+        dtypes.append(dtype)
+    if not tensors:
+        return None
+    name = f"{ARRIVAL_PREFIX}{destination_index}/{tensors[0].split(':')[0]}"
+    if len(tensors) > 1:
+        digest = hashlib.sha1("\n".join(tensors).encode()).hexdigest()[:8]
+        name += f"/and_{len(tensors) - 1}_{digest}"
+    return ArrivalNode(name=name, tensors=tuple(tensors), device=destination,
+                       dtypes=tuple(dtypes))
+
+
+def plan_transfer_order(graph_def, options: Options) -> TransferPlan:
+    """What the TicTac pass enforces, without the rewrite.
+
+    Transfers inside control flow are left out of the order
+    (``notes["transfers_left_out"]``).
     """
     model, flow = analysed(graph_def)
     is_ps = DeviceMatcher(options.ps_devices)
@@ -119,16 +196,17 @@ def plan_transfer_order(graph_def, options: Options):
     found = sorted(find_transfers(model, devices, is_ps, ignore=earlier_gates),
                    key=lambda t: (t.destination, t.source))
     if not found:
-        return model, [], {}, [], [], {}
+        return TransferPlan(model, [])
     destinations_of_source: dict[int, set[str]] = {}
     for transfer in found:
         destinations_of_source.setdefault(transfer.source, set()).add(transfer.destination)
     transfers, left_out = _orderable(found, flow, model)
-    notes: dict = {}
+    plan = TransferPlan(model, transfers)
     if left_out:
-        notes["transfers_left_out"] = left_out
+        plan.notes["transfers_left_out"] = left_out
     if not transfers:
-        return model, [], {}, [], [], notes
+        return plan
+    plan.sizes = _transfer_sizes(graph_def, model, transfers)
     topological = model.topological_order()
     position = [0] * model.num_nodes
     for rank, node in enumerate(topological):
@@ -141,9 +219,6 @@ def plan_transfer_order(graph_def, options: Options):
     if costs is not None:
         costs.check_matches(transfers)
 
-    orders: dict[str, list[int]] = {}
-    edges: list[tuple[str, str]] = []
-    arrivals: list[ArrivalNode] = []
     shared_sources = 0
     start = 0
     while start < len(transfers):
@@ -172,47 +247,119 @@ def plan_transfer_order(graph_def, options: Options):
             sets = group_dependency_sets(op_bits, [costs.op_seconds(v) for v in ops], len(local))
             order = tac_order(sets, [costs.transfer_seconds(t) for t in local], source_bits,
                               tiebreak)
-        orders[destination] = [start + t for t in order]
+        plan.orders[destination] = [start + t for t in order]
+        sizes = [plan.sizes[start + t] for t in order]
+        credit = credit_bytes(options, sum(sizes))
+        groups = [[order[k] for k in positions] for positions in release_groups(sizes, credit)]
+        plan.credit[destination] = credit
+        plan.groups[destination] = [[start + t for t in group] for group in groups]
 
-        # Gates: the earliest consumer of transfer order[k] that is a plain node and follows
-        # no source ordered later, by any path (gate="consumer"), else an arrival node of it.
+        # The gate of each group: with gate="consumer", a one-transfer group's earliest
+        # consumer that is a plain node and follows no source ordered later (by any path);
+        # else an arrival node of the group. A group without one borrows the last gate.
         allowed = 0
         gate_so_far: list[str | None] = []
-        for k, t in enumerate(order):
-            allowed |= 1 << t
+        for group in groups:
+            for t in group:
+                allowed |= 1 << t
             gate = None
-            if options.gate == "consumer":
-                valid = [c for c in local[t].consumers
+            if options.gate == "consumer" and len(group) == 1:
+                valid = [c for c in local[group[0]].consumers
                          if after_sources(c) & ~allowed == 0 and flow.is_plain(c)]
                 if valid:
                     gate = model.names[min(valid, key=position.__getitem__)]
-            source = graph_def.node[local[t].source]
-            dtype = output_dtype(source)
-            if gate is None and dtype is not None and k + options.window < len(order):
-                slot = local[t].slots[0]
-                arrival = ArrivalNode(
-                    name=f"{ARRIVAL_PREFIX}{len(orders) - 1}/{source.name}",
-                    tensor=source.name if slot == 0 else f"{source.name}:{slot}",
-                    device=destination, dtype=dtype)
-                arrivals.append(arrival)
-                gate = arrival.name
+            if gate is None and len(gate_so_far) + options.window < len(groups):
+                arrival = _arrival_node(graph_def, len(plan.orders) - 1, destination,
+                                        [local[t] for t in group])
+                if arrival is not None:
+                    plan.arrivals.append(arrival)
+                    gate = arrival.name
             gate_so_far.append(gate if gate is not None else
                                (gate_so_far[-1] if gate_so_far else None))
-        for k in range(options.window, len(order)):
-            gate = gate_so_far[k - options.window]
-            target = local[order[k]].source
+        for j in range(options.window, len(groups)):
+            gate = gate_so_far[j - options.window]
             if gate is None:
                 continue
-            if len(destinations_of_source[target]) > 1:
-                shared_sources += 1
-                continue
-            edges.append((gate, model.names[target]))
+            for t in groups[j]:
+                target = local[t].source
+                if len(destinations_of_source[target]) > 1:
+                    shared_sources += 1
+                    continue
+                plan.edges.append((gate, model.names[target]))
         start = stop
 
     if shared_sources:
-        notes["sources_feeding_several_workers_not_gated"] = shared_sources
+        plan.notes["sources_feeding_several_workers_not_gated"] = shared_sources
     if costs is not None:
         costs.note_estimates()
-        notes["estimated_transfer_times"] = costs.estimated_transfers
-        notes["estimated_op_times"] = costs.estimated_ops
-    return model, transfers, orders, edges, arrivals, notes
+        plan.notes["estimated_transfer_times"] = costs.estimated_transfers
+        plan.notes["estimated_op_times"] = costs.estimated_ops
+    return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class GainEstimate:
+    """How much ordering can gain at most on the destination where it can gain most.
+
+    A step takes at least max(comm, comp) and, with transfers in any order, at most about
+    comm + comp; ordering only moves a step between the two, so it gains at most
+    min(comm, comp) / max(comm, comp) of the step.
+    """
+
+    destination: str
+    comm_seconds: float
+    comp_seconds: float
+    figures: str          # where the times came from
+
+    @property
+    def gain(self) -> float:
+        longer = max(self.comm_seconds, self.comp_seconds)
+        return min(self.comm_seconds, self.comp_seconds) / longer if longer > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"transfers to {self.destination or 'the worker'} take about "
+                f"{self.comm_seconds * 1e3:.3g} ms and its computation about "
+                f"{self.comp_seconds * 1e3:.3g} ms per step ({self.figures}): ordering can "
+                f"gain at most {self.gain:.1%}")
+
+
+def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstimate | None:
+    """The most ordering can gain on ``plan``'s graph (None: nothing is ordered).
+
+    Transfer times come from the profile where it has them, else from size / bandwidth;
+    compute times from the profile, else from static FLOP estimates at ``options.flops``
+    (this host's measured rate when 0). The estimate assumes one worker per PS link: with
+    several sharing a link, ``bandwidth`` should be the share of one.
+    """
+    from tfoverlap.costs.host import host_flops
+    from tfoverlap.costs.static import static_costs
+    if not plan.orders:
+        return None
+    model = plan.model
+    profile = load_profile(options.profile) if options.profile else None
+    if profile is not None:
+        op_seconds = profile.op_seconds
+        figures = f"profile {options.profile!r}"
+    else:
+        flops = options.flops or host_flops()
+        op_seconds = static_costs(graph_def, flops).op_seconds
+        figures = (f"static estimates at {flops:.3g} FLOP/s and "
+                   f"{options.bandwidth * 8 / 1e9:.3g} Gbit/s")
+    devices = model.colocated_devices()
+    comp: dict[str, float] = {}
+    for node, device in enumerate(devices):
+        if device in plan.orders:
+            comp[device] = comp.get(device, 0.0) + op_seconds.get(model.names[node], 0.0)
+    best = None
+    for destination, order in plan.orders.items():
+        comm = 0.0
+        for t in order:
+            name = model.names[plan.transfers[t].source]
+            if profile is not None and name in profile.transfer_seconds:
+                comm += profile.transfer_seconds[name]
+            else:
+                comm += plan.sizes[t] / options.bandwidth
+        estimate = GainEstimate(destination, comm, comp.get(destination, 0.0), figures)
+        if best is None or estimate.gain > best.gain:
+            best = estimate
+    return best

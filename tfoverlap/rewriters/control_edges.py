@@ -27,16 +27,17 @@ GROUPED_EDGES_PREFIX = "GroupCrossDeviceControlEdges"    # Grappler's dependency
 
 @dataclasses.dataclass(frozen=True)
 class ArrivalNode:
-    """A worker-side Identity that runs as soon as a transfer has arrived (and no later).
+    """A worker-side Identity (IdentityN for several) that runs as soon as its transfers
+    have arrived (and no later).
 
-    Its only use is as a gate: it consumes the transferred tensor on the destination device
-    (TensorFlow receives a tensor once per device, so this adds no traffic).
+    Its only use is as a gate: it consumes the transferred tensors on the destination
+    device (TensorFlow receives a tensor once per device, so this adds no traffic).
     """
 
     name: str
-    tensor: str      # the transferred tensor, "node" or "node:slot"
+    tensors: tuple[str, ...]   # the transferred tensors, "node" or "node:slot"
     device: str
-    dtype: int       # DataType enum of the tensor
+    dtypes: tuple[int, ...]    # DataType enum of each tensor
 
 
 def strip_ordering_edges(graph_def, keep: Iterable[str] = ()):
@@ -106,9 +107,14 @@ def add_ordering_edges(graph_def, edges: Iterable[tuple[str, str]],
     for arrival in arrivals:
         if arrival.name in existing_names:
             continue
-        node = rewritten.node.add(name=arrival.name, op="Identity", device=arrival.device)
-        node.input.append(arrival.tensor)
-        node.attr["T"].type = arrival.dtype
+        several = len(arrival.tensors) > 1
+        node = rewritten.node.add(name=arrival.name, op="IdentityN" if several else "Identity",
+                                  device=arrival.device)
+        node.input.extend(arrival.tensors)
+        if several:
+            node.attr["T"].list.type.extend(arrival.dtypes)
+        else:
+            node.attr["T"].type = arrival.dtypes[0]
         node.attr[ARRIVAL_ATTR].b = True
         node.attr[DO_NOT_REMOVE_ATTR].b = True
     added = 0

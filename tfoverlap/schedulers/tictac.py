@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["DependencySets", "group_dependency_sets", "tic_order", "tac_order",
-           "transfer_priorities"]
+           "transfer_priorities", "release_groups"]
 
 
 @dataclasses.dataclass
@@ -209,3 +209,25 @@ def tac_order(sets: DependencySets, transfer_times: Sequence[float],
             compute, counts, sums = compute[keep_rows], counts[keep_rows], sums[keep_rows]
             columns = columns[keep_columns]
     return order
+
+
+def release_groups(sizes: Sequence[float], credit: float) -> list[list[int]]:
+    """Cuts an order (``sizes[k]``: bytes of the k-th transfer in it) into release groups.
+
+    Consecutive transfers go together while their bytes stay within ``credit``; a group
+    always holds at least one transfer, so a transfer larger than the credit goes alone.
+    A credit of 0 makes every transfer a group of its own. Returns the positions of each
+    group, in order.
+    """
+    if credit < 0:
+        raise ValueError(f"credit must be non-negative, got {credit}")
+    groups: list[list[int]] = []
+    group_bytes = 0.0
+    for position, size in enumerate(sizes):
+        if groups and credit > 0 and group_bytes + size <= credit:
+            groups[-1].append(position)
+            group_bytes += size
+        else:
+            groups.append([position])
+            group_bytes = size
+    return groups

@@ -9,8 +9,8 @@ ops it lacks cost nothing, and transfers it lacks are sized from the graph.
 Variants: ``default`` (TensorFlow: every transfer requested at once, one PS link sends
 them one at a time in a random order; the result is the median over ``seeds`` orders),
 ``tic`` and ``tac`` (the order the TicTac pass plans, enforced the way the pass does: the
-read of transfer k+window waits for the arrival of transfer k, plus the control message
-back to the PS).
+reads of release group j+window wait for the arrival of every transfer of group j, or for
+the consumer the plan gates on, plus the control message back to the PS).
 """
 from __future__ import annotations
 
@@ -189,20 +189,28 @@ def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
 
 def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
                 profile_path: str) -> tuple[list[tuple[int, int]], int]:
-    """The pass's enforcement as task edges: arrival of k -> control message -> read k+w."""
+    """The pass's enforcement as task edges: gate (the arrivals of a release group, or a
+    consumer) -> control message -> the reads it releases."""
     options = parse_options({"schedule": algorithm, "window": scenario.window,
-                             "ps_devices": scenario.ps_devices, "profile": profile_path,
-                             "bandwidth": scenario.bandwidth}, check_files=False)
-    _, transfers, orders, _, _, _ = plan_transfer_order(graph_def, options)
-    order = orders.get(graph.worker_device) or next(iter(orders.values()), [])
-    sources = [transfers[t].source for t in order]
+                             "credit": scenario.credit, "ps_devices": scenario.ps_devices,
+                             "profile": profile_path, "bandwidth": scenario.bandwidth},
+                            check_files=False)
+    plan = plan_transfer_order(graph_def, options)
+    model = graph.model
+    index = {name: node for node, name in enumerate(model.names)}
+    gate_tasks: dict[str, list[int]] = {}
+    for arrival in plan.arrivals:
+        sources = [index.get(tensor.split(":")[0]) for tensor in arrival.tensors]
+        gate_tasks[arrival.name] = [graph.pull_of_source[s] for s in sources
+                                    if s in graph.pull_of_source]
     edges = []
-    for k in range(scenario.window, len(sources)):
-        arrived = graph.pull_of_source.get(sources[k - scenario.window])
-        read = graph.node_task[sources[k]]
-        if arrived is not None and read >= 0:
-            edges.append((arrived, read))
-    return edges, len(sources)
+    for gate, source in plan.edges:
+        read = graph.node_task[index[source]]
+        if gate not in gate_tasks:       # a consumer gate
+            gate_tasks[gate] = [graph.node_task[index[gate]]] if gate in index else []
+        edges.extend((before, read) for before in gate_tasks[gate] if before >= 0 and read >= 0)
+    order = plan.orders.get(graph.worker_device) or next(iter(plan.orders.values()), [])
+    return edges, len(order)
 
 
 def predict_ps(graph_def, scenario: Scenario, algorithms=PS_ALGORITHMS,

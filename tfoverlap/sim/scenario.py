@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfoverlap.options import parse_options
+
 __all__ = ["Scenario", "Prediction", "SimulationError"]
 
 
@@ -16,7 +18,8 @@ class Scenario:
     bandwidth: float = 312.5e6     # bytes/s per link and direction
     latency: float = 100e-6        # seconds per transfer message
     threads: int = 2               # a worker's inter-op threads
-    window: int = 1
+    window: int = 2                # release groups in flight (the TicTac option)
+    credit: float | str = "auto"   # bytes per release group (the TicTac option)
     seeds: int = 16
     ps_devices: str = "/job:ps"
     ps_tasks: int = 0              # > 0: spread the variables over this many PS tasks
@@ -33,6 +36,10 @@ class Scenario:
             raise SimulationError("threads, window and seeds must be >= 1")
         if not self.chunk_bytes > 0:
             raise SimulationError(f"chunk size must be positive, got {self.chunk_bytes}")
+        try:
+            parse_options({"window": self.window, "credit": self.credit})
+        except ValueError as error:
+            raise SimulationError(str(error)) from None
         if self.ps_tasks < 0:
             raise SimulationError(f"ps tasks must be >= 1 (0: as placed), got {self.ps_tasks}")
 
