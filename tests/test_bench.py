@@ -1,4 +1,5 @@
 """A small end-to-end run of the PS benchmark: tiny model, two workers, a shaped link."""
+import json
 import math
 import os
 
@@ -18,14 +19,15 @@ def _chain_reads(num_layers):
 def test_small_benchmark_end_to_end(tmp_path):
     config = ps.Configuration("seq8", training=False, batch=256, bandwidth=125e6,
                               num_ps=1, num_workers=2, width=512)
-    result = ps.run_configuration(config, ("default", "tic"), rounds=1, steps=2, traces=2,
+    # tic_serial: every transfer waits for the one before, so the order shows exactly.
+    result = ps.run_configuration(config, ("default", "tic_serial"), rounds=1, steps=2, traces=2,
                                   workdir=str(tmp_path / "work"), timeout=300)
     assert leftovers() == []
     assert result["network"].startswith("3 network namespaces")
-    assert result["passes"]["tic"]["transfers"] == 8
-    assert result["passes"]["tic"]["ordering_edges"] == 7
+    assert result["passes"]["tic_serial"]["transfers"] == 8
+    assert result["passes"]["tic_serial"]["ordering_edges"] == 7
     rows = ps.summarize(result)
-    assert [row["variant"] for row in rows] == ["default", "tic"]
+    assert [row["variant"] for row in rows] == ["default", "tic_serial"]
     for row in rows:
         assert row["steps"] == 2 * 2  # steps x workers
         assert row["median_s"] > 0 and row["comm_s"] > 0 and row["comp_s"] > 0
@@ -33,18 +35,24 @@ def test_small_benchmark_end_to_end(tmp_path):
     tic = rows[1]
     # The enforced order holds on both workers in every traced step, in layer order.
     assert tic["distinct_orders"] == 1 and tic["top_order_share"] == 1.0
-    for traced in result["traces"]["tic"]:
+    for traced in result["traces"]["tic_serial"]:
         for answer in traced:
             assert answer["order"] == _chain_reads(8)
     # The transfers moved 8 kernels of 512x512 floats into worker 0 in the traced step.
-    transfers = result["traces"]["tic"][0][0]["transfers"]
+    transfers = result["traces"]["tic_serial"][0][0]["transfers"]
     assert sum(t[3] for t in transfers) == pytest.approx(8 * 512 * 512 * 4, rel=0.05)
     table = report.markdown_table(rows)
-    assert "| seq8 | inference | 256 | 1 Gbit/s | tic |" in table
+    assert "| seq8 | inference | 256 | 1Gbit | tic_serial |" in table
+    report.write_result_rows(rows, str(tmp_path / "rows.json"))
+    written = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["variant"] for r in written] == ["default", "tic_serial"]
+    assert set(written[1]) >= {"model", "mode", "workers", "link", "variant", "iteration_s",
+                               "speedup", "ci_low", "ci_high"}
+    assert written[1]["link"] == "1Gbit" and written[1]["workers"] == 2
     report.write_csv(rows, str(tmp_path / "results.csv"))
     report.plot_speedups(rows, str(tmp_path / "speedups.png"))
     report.plot_timelines({"default": result["traces"]["default"][0][0],
-                           "tic": result["traces"]["tic"][0][0]}, "seq8",
+                           "tic": result["traces"]["tic_serial"][0][0]}, "seq8",
                           str(tmp_path / "timeline.png"))
     assert (tmp_path / "results.csv").read_text().count("\n") == 3
     assert (tmp_path / "timeline.png").stat().st_size > 10_000

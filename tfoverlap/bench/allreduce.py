@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 
+from tfoverlap.bench.ps import link_name
 from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
 
@@ -31,7 +32,8 @@ __all__ = ["DEFAULT_BATCH", "run_configuration", "summarize", "main"]
 #: model -> batch per rank, chosen so that at 1 Gbit/s communication is about as long
 #: as computation or longer on this project's 2-core machines (the measured ratio is
 #: reported next to every result).
-DEFAULT_BATCH = {"resnet50": 2, "inception_v3": 2, "vgg16": 2, "transformer": 4}
+DEFAULT_BATCH = {"resnet50": 2, "inception_v3": 2, "vgg16": 2, "transformer": 4,
+                 "resnet20": 32}
 AUTOTUNE_ENV = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
                 "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3",
                 "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}
@@ -61,7 +63,7 @@ def run_configuration(model: str, batch: int, bandwidth: float, rounds: int, ste
     common = ["--model", model, "--batch", str(batch)]
     with EmulatedNetwork(2, bandwidth=bandwidth) as network:
         description = network.describe()
-        progress(f"{model} at {bandwidth * 8 / 1e9:g} Gbit/s: {description}; side-by-side job")
+        progress(f"{model} at {link_name(bandwidth)}: {description}; side-by-side job")
         main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
                                                   str(steps)], {},
                                timeout, os.path.join(workdir, "main-job.log"))
@@ -106,8 +108,8 @@ def summarize(result: dict) -> list[dict]:
         ratio, low, high = metrics.speedup(times["horovod"], times[name])
         caramel = result["caramel"] or {}
         rows.append({
-            "model": result["model"], "mode": f"{result['bandwidth'] * 8 / 1e9:g} Gbit/s",
-            "batch": result["batch"], "gbit_per_s": result["bandwidth"] * 8 / 1e9,
+            "model": result["model"], "mode": "training", "workers": 2,
+            "link": link_name(result["bandwidth"]), "batch": result["batch"],
             "variant": name, "median_s": spread.median, "p10_s": spread.p10,
             "p90_s": spread.p90, "steps": spread.count,
             "speedup": ratio, "ci_low": low, "ci_high": high,
@@ -130,7 +132,7 @@ def markdown_table(rows: list[dict]) -> str:
         efficiency = row["efficiency"]
         lines.append(
             f"| {row['model']} ({row['tensors']} tensors, {row['parameter_mb']:.0f} MB) | "
-            f"{row['mode']} | {row['batch']} | {variant} | {row['median_s']:.3f} "
+            f"{row['link']} | {row['batch']} | {variant} | {row['median_s']:.3f} "
             f"({row['p10_s']:.3f}-{row['p90_s']:.3f}) | {speedup} | "
             f"{row['comm_s']:.2f}/{row['comp_s']:.2f} = {row['comm_over_comp']:.2f} | "
             f"{'n/a' if efficiency != efficiency else f'{efficiency:.2f}'} |")
@@ -141,7 +143,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tfoverlap.bench.allreduce",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50,vgg16,inception_v3,transformer")
-    parser.add_argument("--bandwidths", default="1Gbit,10Gbit")
+    parser.add_argument("--bandwidths", default="1Gbit,10Gbit",
+                        help="comma-separated link rates; 'unshaped' for plain loopback")
     parser.add_argument("--batch", type=int, help="override the per-model batch size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
@@ -155,7 +158,8 @@ def main(argv=None) -> int:
         if unknown or not models:
             raise ValueError(f"unknown model {unknown[0] if unknown else ''!r}; choose from "
                              f"{', '.join(DEFAULT_BATCH)}")
-        bandwidths = [parse_bandwidth(b) for b in args.bandwidths.split(",")]
+        bandwidths = [None if b.strip() == "unshaped" else parse_bandwidth(b)
+                      for b in args.bandwidths.split(",")]
         if min(args.rounds, args.steps) < 1 or (args.batch is not None and args.batch < 1):
             raise ValueError("--rounds, --steps and --batch must be >= 1")
     except ValueError as error:
@@ -166,7 +170,7 @@ def main(argv=None) -> int:
     rows, results = [], []
     for model in models:
         for bandwidth in bandwidths:
-            workdir = os.path.join(args.out, "work", f"{model}-{bandwidth * 8 / 1e9:g}gbit")
+            workdir = os.path.join(args.out, "work", f"{model}-{link_name(bandwidth)}")
             result = run_configuration(model, args.batch or DEFAULT_BATCH.get(model, 4),
                                        bandwidth, args.rounds, args.steps, workdir,
                                        autotune=not args.no_autotune)
@@ -179,6 +183,7 @@ def main(argv=None) -> int:
                 json.dump(results, stream)
             with open(os.path.join(args.out, "results.md"), "w") as stream:
                 stream.write(markdown_table(rows))
+            report.write_result_rows(rows, os.path.join(args.out, "rows.json"))
             report.plot_speedups(rows, os.path.join(args.out, "speedups.png"),
                                  baseline="horovod",
                                  ylabel="speed-up over Horovod's defaults")
@@ -187,7 +192,7 @@ def main(argv=None) -> int:
           "steps per variant, interleaved")
     print(markdown_table(rows))
     print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
-          "speedups.png")
+          "rows.json, speedups.png")
     return 0
 
 

@@ -33,8 +33,10 @@ VARIANTS = {
     "tf_recv_scheduling": {"recv_scheduling": True},
     "tic": {"tfoverlap": {"schedule": "tic"}},
     "tac": {"tfoverlap": {"schedule": "tac"}},  # the profile path is added per worker
-    "tic_window2": {"tfoverlap": {"schedule": "tic", "window": 2}},
-    "tac_window2": {"tfoverlap": {"schedule": "tac", "window": 2}},
+    # Every transfer gated on the one before, always (what TIC did before credits).
+    "tic_serial": {"tfoverlap": {"schedule": "tic", "credit": 0, "window": 1, "force": True}},
+    # Credits, but ordering even where the gain estimate would decline.
+    "tic_forced": {"tfoverlap": {"schedule": "tic", "force": True}},
 }
 #: what a run compares unless told otherwise.
 DEFAULT_VARIANTS = ("default", "tf_recv_scheduling", "tic", "tac")
@@ -47,6 +49,7 @@ DEFAULT_BATCH = {
     ("resnet50", False): 8, ("resnet50", True): 3,
     ("inception_v3", False): 12, ("inception_v3", True): 3,
     ("vgg16", False): 12, ("vgg16", True): 4,
+    ("resnet20", False): 32, ("resnet20", True): 32,     # computation-bound everywhere
 }
 DEFAULT_BANDWIDTH = parse_bandwidth("2.5Gbit")
 
@@ -56,7 +59,7 @@ class Configuration:
     model: str
     training: bool
     batch: int
-    bandwidth: float          # bytes/s per link and direction
+    bandwidth: float | None   # bytes/s per link and direction; None: unshaped loopback
     num_ps: int = 1
     num_workers: int = 2
     image_size: int = 224
@@ -207,7 +210,7 @@ def summarize(result: dict) -> list[dict]:
         share = min(s for _, s in per_worker)
         rows.append({
             "model": config["model"], "mode": "training" if config["training"] else "inference",
-            "batch": config["batch"], "gbit_per_s": config["bandwidth"] * 8 / 1e9,
+            "batch": config["batch"], "link": link_name(config["bandwidth"]),
             "ps": config["num_ps"], "workers": config["num_workers"], "variant": name,
             "median_s": iteration.median, "p10_s": iteration.p10, "p90_s": iteration.p90,
             "steps": iteration.count,
@@ -219,8 +222,15 @@ def summarize(result: dict) -> list[dict]:
             "distinct_orders": distinct, "top_order_share": share,
             "transfers": result["passes"].get(name, {}).get("transfers", ""),
             "ordering_edges": result["passes"].get(name, {}).get("ordering_edges", ""),
+            "gates": result["passes"].get(name, {}).get("gates", ""),
+            "declined": bool(result["passes"].get(name, {}).get("declined")),
         })
     return rows
+
+
+def link_name(bandwidth: float | None) -> str:
+    """"2.5Gbit" for a shaped link, "loopback" for an unshaped one."""
+    return "loopback" if bandwidth is None else f"{bandwidth * 8 / 1e9:g}Gbit"
 
 
 def _parse_models(text: str) -> list[tuple[str, bool]]:
@@ -250,7 +260,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ps", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, help="override the per-model batch size")
-    parser.add_argument("--bandwidth", help="override the per-model link rate, e.g. 1Gbit")
+    parser.add_argument("--bandwidth", help="override the per-model link rate, e.g. 1Gbit, "
+                                            "or 'unshaped' (plain loopback)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
     parser.add_argument("--traces", type=int, default=3, help="traced steps per variant")
@@ -259,7 +270,8 @@ def main(argv=None) -> int:
     try:
         configurations = _parse_models(args.models)
         variants = [v.strip() for v in args.variants.split(",")]
-        bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+        unshaped = args.bandwidth == "unshaped"
+        bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth and not unshaped else None
         if min(args.ps, args.workers, args.rounds, args.steps, args.traces) < 1:
             raise ValueError("--ps, --workers, --rounds, --steps and --traces must be >= 1")
         if args.batch is not None and args.batch < 1:
@@ -273,7 +285,8 @@ def main(argv=None) -> int:
     for model, training in configurations:
         config = Configuration(model, training,
                                args.batch or DEFAULT_BATCH.get((model, training), 64),
-                               bandwidth or DEFAULT_BANDWIDTH, num_ps=args.ps,
+                               None if unshaped else bandwidth or DEFAULT_BANDWIDTH,
+                               num_ps=args.ps,
                                num_workers=args.workers)
         workdir = os.path.join(args.out, "work", f"{model}-{config.mode}")
         result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
@@ -292,11 +305,13 @@ def main(argv=None) -> int:
         report.plot_speedups(rows, os.path.join(args.out, "speedups.png"))
         with open(os.path.join(args.out, "results.md"), "w") as stream:
             stream.write(report.markdown_table(rows))
+        report.write_result_rows(rows, os.path.join(args.out, "rows.json"))
     print()
     print(f"{args.ps} PS, {args.workers} workers, {results[0]['network']}; {args.rounds} rounds "
           f"x {args.steps} steps per variant and worker, interleaved")
     print(report.markdown_table(rows))
-    print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json; plots: "
+    print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
+          "rows.json; plots: "
           "speedups.png, timeline-*.png")
     return 0
 

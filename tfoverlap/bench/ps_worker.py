@@ -120,6 +120,9 @@ class Worker:
                     # Grappler's second round re-plans the same edges: "unchanged" there.
                     return {"transfers": entry.summary["transfers"],
                             "ordering_edges": entry.summary.get("ordering_edges", 0),
+                            "gates": entry.summary.get("gates", 0),
+                            "predicted_gain": entry.summary.get("predicted_gain"),
+                            "declined": entry.summary.get("declined", ""),
                             "modified": any(r.modified for r in reports)}
         return {"transfers": 0, "ordering_edges": 0, "modified": False}
 

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import sys
 import time
 
-__all__ = ["progress", "write_csv", "markdown_table", "plot_speedups", "plot_timelines"]
+__all__ = ["progress", "write_csv", "write_result_rows", "markdown_table", "plot_speedups",
+           "plot_timelines", "RESULT_FIELDS"]
+
+#: The fields of a row in docs/results/*.json (every benchmark writes them).
+RESULT_FIELDS = ("model", "mode", "workers", "link", "variant", "iteration_s", "speedup",
+                 "ci_low", "ci_high")
 
 
 def progress(message: str) -> None:
@@ -21,6 +27,21 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def write_result_rows(rows: list[dict], path: str, extra=("batch", "ps", "comm_over_comp",
+                                                          "declined")) -> None:
+    """The machine-readable rows (docs/results/*.json): RESULT_FIELDS, then the ``extra``
+    fields a row has; one JSON object per row, in a list."""
+    records = []
+    for row in rows:
+        record = {key: row["median_s"] if key == "iteration_s" else row[key]
+                  for key in RESULT_FIELDS}
+        record.update({key: row[key] for key in extra if key in row})
+        records.append(record)
+    with open(path, "w") as stream:
+        json.dump(records, stream, indent=1)
+        stream.write("\n")
 
 
 def _number(value, digits: int = 2) -> str:
@@ -38,7 +59,7 @@ def markdown_table(rows: list[dict]) -> str:
         speedup = (f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f})"
                    if row["variant"] != "default" else "1.00x")
         lines.append(
-            f"| {row['model']} | {row['mode']} | {row['batch']} | {row['gbit_per_s']:g} Gbit/s "
+            f"| {row['model']} | {row['mode']} | {row['batch']} | {row['link']} "
             f"| {row['variant']} | {row['median_s']:.3f} ({row['p10_s']:.3f}-{row['p90_s']:.3f}) "
             f"| {row['samples_per_s']:.1f} | {speedup} | "
             f"{row['comm_s']:.2f}/{row['comp_s']:.2f} = {row['comm_over_comp']:.2f} | "
@@ -53,14 +74,15 @@ def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    configurations = list(dict.fromkeys((row["model"], row["mode"]) for row in rows))
+    configurations = list(dict.fromkeys((row["model"], row["mode"], row["link"])
+                                        for row in rows))
     variants = [v for v in dict.fromkeys(row["variant"] for row in rows) if v != baseline]
     width = 0.8 / max(1, len(variants))
     figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(configurations) + 2), 4))
     for index, variant in enumerate(variants):
         xs, heights, errors = [], [], [[], []]
         for position, configuration in enumerate(configurations):
-            row = next((r for r in rows if (r["model"], r["mode"]) == configuration
+            row = next((r for r in rows if (r["model"], r["mode"], r["link"]) == configuration
                         and r["variant"] == variant), None)
             if row is None:
                 continue
@@ -71,7 +93,7 @@ def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
         axes.bar(xs, heights, width, yerr=errors, capsize=3, label=variant)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks(range(len(configurations)))
-    axes.set_xticklabels([f"{model}\n{mode}" for model, mode in configurations])
+    axes.set_xticklabels([f"{model}\n{mode}\n{link}" for model, mode, link in configurations])
     axes.set_ylabel(ylabel)
     top = max((row["ci_high"] for row in rows if row["variant"] != baseline), default=1.0)
     axes.set_ylim(0, top * 1.2)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["PsModel", "MODEL_NAMES", "chain_model", "parallel_model", "keras_model",
+__all__ = ["PsModel", "MODEL_NAMES", "CIFAR_MODELS", "cifar_resnet", "chain_model", "parallel_model", "keras_model",
            "transformer_model", "control_flow_model", "build_model"]
 
 KERAS_APPLICATIONS = {"resnet50": "ResNet50", "inception_v3": "InceptionV3",
                       "vgg16": "VGG16", "resnet152": "ResNet152"}
-MODEL_NAMES = ("seq32", "par32") + tuple(KERAS_APPLICATIONS) + ("transformer",)
+#: CIFAR-sized models (32x32 images, 10 classes), built here in Keras.
+CIFAR_MODELS = ("resnet20",)
+MODEL_NAMES = ("seq32", "par32") + tuple(KERAS_APPLICATIONS) + CIFAR_MODELS + ("transformer",)
 
 
 @dataclasses.dataclass
@@ -153,11 +155,44 @@ def parallel_model(num_branches: int = 32, width: int = 256, batch: int = 64,
     return _finish(graph, worker_device, loss, weights, training, learning_rate)
 
 
+def cifar_resnet(depth: int = 20, classes: int = 10):
+    """He et al.'s CIFAR ResNet (depth 6n+2: three stages of n basic blocks with 16, 32
+    and 64 filters, batch norm, a projection shortcut where the shape changes), as a
+    Keras model on 32x32x3 images."""
+    import tensorflow as tf
+    layers = tf.keras.layers
+    if (depth - 2) % 6:
+        raise ValueError(f"a CIFAR ResNet has depth 6n+2, got {depth}")
+    blocks = (depth - 2) // 6
+
+    def conv_bn(x, filters, strides=1, relu=True):
+        x = layers.Conv2D(filters, 3, strides, padding="same", use_bias=False)(x)
+        x = layers.BatchNormalization()(x)
+        return layers.ReLU()(x) if relu else x
+
+    images = layers.Input((32, 32, 3))
+    x = conv_bn(images, 16)
+    for stage, filters in enumerate((16, 32, 64)):
+        for block in range(blocks):
+            strides = 2 if stage > 0 and block == 0 else 1
+            shortcut = x
+            if strides != 1:
+                shortcut = layers.Conv2D(filters, 1, strides, use_bias=False)(x)
+                shortcut = layers.BatchNormalization()(shortcut)
+            y = conv_bn(conv_bn(x, filters, strides), filters, relu=False)
+            x = layers.ReLU()(layers.Add()([y, shortcut]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return tf.keras.Model(images, layers.Dense(classes, activation="softmax")(x),
+                          name=f"resnet{depth}")
+
+
 def keras_model(application: str, batch: int = 8, image_size: int = 224, num_ps: int = 1,
                 worker_device: str = "/job:worker/task:0", training: bool = False,
                 learning_rate: float = 0.01, seed: int = 0, classes: int = 1000,
                 wrap_optimizer=None) -> PsModel:
-    """A ``tf.keras.applications`` model without weights, on synthetic images.
+    """A ``tf.keras.applications`` model without weights (or ``resnet20``, CIFAR-sized:
+    32x32 images and 10 classes whatever ``image_size`` and ``classes`` say), on synthetic
+    images.
 
     Variables are spread over the PS tasks by size (each to the least loaded task), the
     compute runs on ``worker_device``. With
@@ -173,8 +208,12 @@ def keras_model(application: str, batch: int = 8, image_size: int = 224, num_ps:
                 ps_tasks=num_ps, worker_device=worker_device,
                 ps_strategy=_LeastLoadedTask(num_ps))
         with tf.compat.v1.device(setter):
-            model = getattr(tf.keras.applications, KERAS_APPLICATIONS[application])(
-                weights=None, input_shape=(image_size, image_size, 3), classes=classes)
+            if application in CIFAR_MODELS:
+                image_size, classes = 32, 10
+                model = cifar_resnet(int(application.removeprefix("resnet")), classes)
+            else:
+                model = getattr(tf.keras.applications, KERAS_APPLICATIONS[application])(
+                    weights=None, input_shape=(image_size, image_size, 3), classes=classes)
             images = tf.random.stateless_uniform([batch, image_size, image_size, 3],
                                                  seed=[seed, 1])
             labels = tf.random.stateless_uniform([batch], seed=[seed, 2], maxval=classes,
@@ -315,7 +354,7 @@ def build_model(name: str, batch: int, num_ps: int, worker_device: str, training
     if name.startswith("par") and name[3:].isdigit():
         return parallel_model(int(name[3:]), width=width, batch=batch, num_ps=num_ps,
                               worker_device=worker_device, training=training, seed=seed)
-    if name in KERAS_APPLICATIONS:
+    if name in KERAS_APPLICATIONS or name in CIFAR_MODELS:
         return keras_model(name, batch=batch, image_size=image_size, num_ps=num_ps,
                            worker_device=worker_device, training=training, seed=seed,
                            wrap_optimizer=wrap_optimizer)
