@@ -13,6 +13,7 @@ import os
 from typing import Iterable
 
 from tfoverlap.integrations.grappler import OPTIMIZER_NAME, load
+from tfoverlap.integrations.link_probe import install_session_hook
 from tfoverlap.integrations.tf_function import get_function_config, set_function_config
 from tfoverlap.options import parse_options
 from tfoverlap.passes.base import PassContext
@@ -88,8 +89,13 @@ def session_config(config=None, **options):
       >>> import tfoverlap, tensorflow as tf
       >>> config = tfoverlap.session_config(schedule="tic", window=2)
       >>> with tf.compat.v1.Session(config=config) as session: ...
+
+    A distributed session with this config measures its links to the PS tasks once per
+    process before it starts, unless ``bandwidth`` is given
+    (:mod:`tfoverlap.integrations.link_probe`).
     """
     load()
+    install_session_hook()
     return _add_optimizer(config, options)
 
 

@@ -14,7 +14,11 @@ from typing import Any, Mapping
 from tfoverlap.costs.profile import load_profile
 from tfoverlap.graph.devices import parse_device_spec
 
-__all__ = ["Options", "parse_options", "parse_bandwidth", "OPTION_NAMES"]
+__all__ = ["Options", "parse_options", "parse_bandwidth", "OPTION_NAMES",
+           "DEFAULT_BANDWIDTH", "link_bandwidth"]
+
+#: the link rate assumed where none is given or measured: 1 Gbit/s.
+DEFAULT_BANDWIDTH = 125e6
 
 SCHEDULES = ("tic", "tac", "none")
 ALLREDUCE_SCHEDULES = ("caramel", "none")
@@ -50,7 +54,10 @@ class Options:
                  device of job ps, "/device:CPU:1" every CPU:1).
     profile:     a profile file written by ``tfoverlap.profile`` (TAC's costs); "" for none.
     bandwidth:   bytes per second of a link: transfer times missing from the profile, and
-                 Caramel's beta (a number or a string such as "10Gbit").
+                 Caramel's beta (a number or a string such as "10Gbit"). "auto" (default):
+                 TicTac takes the PS link that this process measured when its session
+                 started (see tfoverlap.integrations.link_probe), else 1 Gbit/s; Caramel
+                 takes 1 Gbit/s (the Horovod wrappers measure and give it).
     allreduce:   Horovod AllReduce scheduling: "caramel" (backward order, planned buckets,
                  split large gradients) or "none".
     ranks:       Caramel: ranks in the job; 0 reads it from Horovod (or HOROVOD_SIZE /
@@ -84,7 +91,7 @@ class Options:
     gate: str = "arrival"
     ps_devices: str = "/job:ps"
     profile: str = ""
-    bandwidth: float = 125e6
+    bandwidth: float = 0.0          # 0: "auto"
     allreduce: str = "none"
     ranks: int = 0
     latency: float = 50e-6
@@ -98,6 +105,11 @@ class Options:
 
 
 OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
+
+
+def link_bandwidth(options: Options) -> float:
+    """The bandwidth option, or DEFAULT_BANDWIDTH where it says "auto"."""
+    return options.bandwidth or DEFAULT_BANDWIDTH
 
 _BANDWIDTH_UNITS = {
     "": 1.0, "b": 1.0, "bps": 1 / 8, "bit": 1 / 8,
@@ -239,7 +251,8 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             value = "" if value is None else str(value)
         elif name == "bandwidth":
             try:
-                value = parse_bandwidth(value)
+                auto = value == 0 or (isinstance(value, str) and value.strip().lower() == "auto")
+                value = 0.0 if auto and not isinstance(value, bool) else parse_bandwidth(value)
             except ValueError as error:
                 raise ValueError(f"option 'bandwidth': {error}") from None
         elif name == "credit":

@@ -1,7 +1,9 @@
-"""Facts about this host that estimates need when nothing was profiled: its FLOP rate.
+"""Facts about this host that estimates need when nothing was profiled: its FLOP rate, and
+the links to the PS tasks that this process measured.
 
-Measured once per process with numpy (no TensorFlow session: the Grappler plugin calls
-this from inside TensorFlow's optimizer), and remembered.
+The FLOP rate is measured once per process with numpy (no TensorFlow session: the Grappler
+plugin calls this from inside TensorFlow's optimizer); the links are measured when a
+session starts (:mod:`tfoverlap.integrations.link_probe`) and recorded here.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 
 import numpy as np
 
-__all__ = ["measure_flops", "host_flops"]
+__all__ = ["measure_flops", "host_flops", "record_link", "measured_links"]
 
 _lock = threading.Lock()
 _measured: dict[str, float] = {}
@@ -34,3 +36,20 @@ def host_flops() -> float:
         if "flops" not in _measured:
             _measured["flops"] = measure_flops()
         return _measured["flops"]
+
+
+#: PS task device ("/job:ps/replica:0/task:0", as TensorFlow names it) -> (bytes/s, round
+#: trip seconds) of the link to it, measured by this process.
+_links: dict[str, tuple[float, float]] = {}
+
+
+def record_link(device: str, bandwidth: float, round_trip: float) -> None:
+    """Remembers a measured link to a PS task for the rest of the process."""
+    with _lock:
+        _links[device] = (float(bandwidth), float(round_trip))
+
+
+def measured_links() -> dict[str, tuple[float, float]]:
+    """The links this process measured: device -> (bytes/s, round trip seconds)."""
+    with _lock:
+        return dict(_links)

@@ -26,7 +26,10 @@ def tictac_pass(graph_def, context: PassContext) -> PassResult:
                     options.ps_devices)
         return _unchanged(graph_def, clean, stripped,
                           {"transfers": 0, **_counted(plan.notes)})
-    summary = {"schedule": options.schedule, "transfers": len(plan.transfers)}
+    bandwidth, round_trip, link_source = plan.link
+    summary = {"schedule": options.schedule, "transfers": len(plan.transfers),
+               "link": f"{bandwidth * 8 / 1e9:.3g} Gbit/s, round trip "
+                       f"{round_trip * 1e3:.3g} ms ({link_source})"}
     estimate = _estimate(clean, plan, options)
     if estimate is not None:
         summary.update(predicted_gain=round(estimate.gain, 4),

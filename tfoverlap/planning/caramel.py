@@ -22,6 +22,7 @@ from tfoverlap.costs.static import OP_OVERHEAD_SECONDS, static_costs
 from tfoverlap.graph.frames import analysed
 from tfoverlap.graph.model import GraphModel, is_variable_op, tensor_bytes
 from tfoverlap.log import warn_once
+from tfoverlap.options import link_bandwidth
 from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR
 from tfoverlap.schedulers.caramel import (HOROVOD_FUSION_BYTES, Bucket,
                                           horovod_default_buckets, plan_buckets)
@@ -330,14 +331,14 @@ class PlanInputs:
     def settings(self, options) -> dict:
         """The options a plan digest covers (host facts only shape the buckets, which the
         digest covers anyway)."""
-        return {"ranks": self.ranks, "bandwidth": options.bandwidth,
+        return {"ranks": self.ranks, "bandwidth": link_bandwidth(options),
                 "latency": options.latency, "split_bytes": options.split_bytes,
                 "bucket_bytes": options.bucket_bytes}
 
     def describe(self, options) -> str:
         """This rank's planning inputs, for a mismatch message that lets ranks be compared."""
         return (f"ranks={self.ranks}, threads={self.threads}, "
-                f"cycle={self.cycle_seconds * 1e3:g} ms, bandwidth={options.bandwidth:.6g} B/s, "
+                f"cycle={self.cycle_seconds * 1e3:g} ms, bandwidth={link_bandwidth(options):.6g} B/s, "
                 f"latency={options.latency:.6g} s, flops={planning_flops(options):.6g}, "
                 f"op times from {self.ready_times_from}")
 
@@ -349,7 +350,7 @@ def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
     threads = options.threads or os.cpu_count() or 1
     cycle = horovod_cycle_seconds(options.cycle_ms)
     op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
-    plan = plan_allreduce(graph_def, "caramel", ranks, options.bandwidth,
+    plan = plan_allreduce(graph_def, "caramel", ranks, link_bandwidth(options),
                           request_latency(options.latency, ranks, cycle), op_seconds, threads,
                           options.split_bytes, tensor_sizes, options.bucket_bytes)
     return plan, PlanInputs(ranks, threads, cycle, source)

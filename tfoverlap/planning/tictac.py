@@ -15,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+from tfoverlap.costs.host import host_flops, measured_links
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
+from tfoverlap.costs.static import static_costs
 from tfoverlap.graph.devices import DeviceMatcher
 from tfoverlap.graph.frames import ControlFlow, analysed
 from tfoverlap.graph.model import GraphModel, output_dtype, tensor_bytes
 from tfoverlap.graph.transfers import Transfer, find_transfers
 from tfoverlap.log import warn_once
-from tfoverlap.options import Options
+from tfoverlap.options import DEFAULT_BANDWIDTH, Options
 from tfoverlap.rewriters.control_edges import ARRIVAL_ATTR, ARRIVAL_PREFIX, ArrivalNode
 from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups, tac_order,
                                          tic_order)
@@ -55,8 +57,8 @@ def dependency_bits(model: GraphModel, topological: list[int], transfers: list[T
 class _Costs:
     """Transfer and compute times for TAC: the profile first, estimates for the rest."""
 
-    def __init__(self, graph_def, model: GraphModel, options: Options):
-        self.options = options
+    def __init__(self, graph_def, model: GraphModel, options: Options, bandwidth: float):
+        self.options, self.bandwidth = options, bandwidth
         self.profile = load_profile(self.options.profile) if self.options.profile else None
         self.graph_def, self.model = graph_def, model
         self.estimated_transfers = 0
@@ -80,7 +82,7 @@ class _Costs:
         self.estimated_transfers += 1
         size = sum(tensor_bytes(self.graph_def, self.model, transfer.source, slot) or 0
                    for slot in transfer.slots) or None
-        return estimate_transfer_seconds(size, self.options.bandwidth)
+        return estimate_transfer_seconds(size, self.bandwidth)
 
     def op_seconds(self, node: int) -> float:
         if self.profile is not None and self.model.names[node] in self.profile.op_seconds:
@@ -126,6 +128,7 @@ class TransferPlan:
     edges:    (gate name, PS-side source name): the source waits for the gate.
     arrivals: new gate nodes the edges name.
     notes:    what the report should say (transfers left out, estimates used ...).
+    link:     the PS link planned with: bytes/s, round trip seconds, where they came from.
     """
 
     model: GraphModel
@@ -137,14 +140,30 @@ class TransferPlan:
     arrivals: list[ArrivalNode] = dataclasses.field(default_factory=list)
     notes: dict = dataclasses.field(default_factory=dict)
     sizes: list[float] = dataclasses.field(default_factory=list)    # bytes per transfer
+    link: tuple[float, float, str] = (DEFAULT_BANDWIDTH, 1e-3, "assumed")
 
 
-def credit_bytes(options: Options, ordered_bytes: float) -> float:
+def link_figures(options: Options, ps_devices: set[str]) -> tuple[float, float, str]:
+    """(bytes/s, round trip s, where from) of the link to the PS tasks in ``ps_devices``:
+    the bandwidth option if given; else the slowest link this process measured to one of
+    them; else 1 Gbit/s, assumed."""
+    if options.bandwidth:
+        return options.bandwidth, options.round_trip, "given"
+    measured = [figures for device, figures in measured_links().items()
+                if any(DeviceMatcher(spec)(device) for spec in ps_devices if spec)]
+    if measured:
+        bandwidth = min(b for b, _ in measured)
+        return bandwidth, max(r for _, r in measured), "measured"
+    return DEFAULT_BANDWIDTH, options.round_trip, "assumed"
+
+
+def credit_bytes(options: Options, ordered_bytes: float, bandwidth: float,
+                 round_trip: float) -> float:
     """The credit of one destination: the option, or for "auto" the link's bandwidth x
     round trip and at least 1/MOST_GATES_PER_STEP of the bytes it orders."""
     if options.credit != "auto":
         return float(options.credit)
-    return max(options.bandwidth * options.round_trip, ordered_bytes / MOST_GATES_PER_STEP)
+    return max(bandwidth * round_trip, ordered_bytes / MOST_GATES_PER_STEP)
 
 
 def _transfer_sizes(graph_def, model: GraphModel, transfers: list[Transfer]) -> list[float]:
@@ -207,6 +226,8 @@ def plan_transfer_order(graph_def, options: Options) -> TransferPlan:
     if not transfers:
         return plan
     plan.sizes = _transfer_sizes(graph_def, model, transfers)
+    plan.link = link_figures(options, {devices[t.source] for t in transfers})
+    bandwidth, round_trip, _ = plan.link
     topological = model.topological_order()
     position = [0] * model.num_nodes
     for rank, node in enumerate(topological):
@@ -215,7 +236,8 @@ def plan_transfer_order(graph_def, options: Options) -> TransferPlan:
     # A source downstream of another source (a PS-side chain) must be ordered after it:
     # gating the upstream one on the downstream one's arrival would close a cycle.
     upstream_sources = dependency_bits(model, topological, transfers, at_source=True)
-    costs = _Costs(graph_def, model, options) if options.schedule == "tac" else None
+    costs = (_Costs(graph_def, model, options, bandwidth) if options.schedule == "tac"
+             else None)
     if costs is not None:
         costs.check_matches(transfers)
 
@@ -249,7 +271,7 @@ def plan_transfer_order(graph_def, options: Options) -> TransferPlan:
                               tiebreak)
         plan.orders[destination] = [start + t for t in order]
         sizes = [plan.sizes[start + t] for t in order]
-        credit = credit_bytes(options, sum(sizes))
+        credit = credit_bytes(options, sum(sizes), bandwidth, round_trip)
         groups = [[order[k] for k in positions] for positions in release_groups(sizes, credit)]
         plan.credit[destination] = credit
         plan.groups[destination] = [[start + t for t in group] for group in groups]
@@ -328,11 +350,10 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
 
     Transfer times come from the profile where it has them, else from size / bandwidth;
     compute times from the profile, else from static FLOP estimates at ``options.flops``
-    (this host's measured rate when 0). The estimate assumes one worker per PS link: with
-    several sharing a link, ``bandwidth`` should be the share of one.
+    (this host's measured rate when 0); the link is the plan's. The estimate assumes one
+    worker per PS link: with several sharing a link, ``bandwidth`` should be the share of
+    one.
     """
-    from tfoverlap.costs.host import host_flops
-    from tfoverlap.costs.static import static_costs
     if not plan.orders:
         return None
     model = plan.model
@@ -343,8 +364,9 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
     else:
         flops = options.flops or host_flops()
         op_seconds = static_costs(graph_def, flops).op_seconds
-        figures = (f"static estimates at {flops:.3g} FLOP/s and "
-                   f"{options.bandwidth * 8 / 1e9:.3g} Gbit/s")
+        figures = f"static estimates at {flops:.3g} FLOP/s"
+    bandwidth, _, link_source = plan.link
+    figures += f", {bandwidth * 8 / 1e9:.3g} Gbit/s {link_source}"
     devices = model.colocated_devices()
     comp: dict[str, float] = {}
     for node, device in enumerate(devices):
@@ -358,7 +380,7 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
             if profile is not None and name in profile.transfer_seconds:
                 comm += profile.transfer_seconds[name]
             else:
-                comm += plan.sizes[t] / options.bandwidth
+                comm += plan.sizes[t] / bandwidth
         estimate = GainEstimate(destination, comm, comp.get(destination, 0.0), figures)
         if best is None or estimate.gain > best.gain:
             best = estimate
