@@ -115,4 +115,4 @@ def test_horovod_benchmark_worker_end_to_end():
                              if line.startswith("{")))
     assert set(record["times"]) == {"horovod", "caramel"}
     assert all(len(times) == 1 for times in record["times"].values())
-    assert record["caramel"] and record["caramel"]["allreduces"] == record["tensors"]
+    assert record["caramel"]["caramel"]["allreduces"] == record["tensors"]

@@ -52,7 +52,7 @@ def horovod_graph(tmp_path_factory):
 
 def _rewrite(graph_def, **options):
     options = {"allreduce": "caramel", "schedule": "none", "ranks": 4, "bandwidth": "100Mbit",
-               "flops": 1e9, "strict": True, **options}
+               "flops": 1e9, "strict": True, "force": True, **options}
     return tfoverlap.optimize(graph_def, fetch=["train"], **options)
 
 
@@ -86,7 +86,7 @@ def test_every_gradient_lands_in_one_bucket_and_updates_wait_only_for_their_own(
 
 
 def test_backward_order_edges_chain_the_gradient_producers(horovod_graph):
-    rewritten, report = _rewrite(horovod_graph)
+    rewritten, report = _rewrite(horovod_graph, bucket_chain="finished")
     summary = report.passes[0].summary
     order = summary["gradient_order"]
     assert len(order) == 7 and summary["order_edges"] == 6 + summary["requests"] - 1
@@ -99,8 +99,39 @@ def test_backward_order_edges_chain_the_gradient_producers(horovod_graph):
             f"tfoverlap/caramel/bucket_{number}"].input
 
 
+def test_each_bucket_is_issued_once_the_inputs_of_the_one_before_exist(horovod_graph):
+    rewritten, report = _rewrite(horovod_graph)
+    summary = report.passes[0].summary
+    assert summary["bucket_chain"] == "issued" and summary["requests"] >= 2
+    nodes = {n.name: n for n in rewritten.node}
+    for number in range(1, summary["requests"]):
+        before = nodes[f"tfoverlap/caramel/bucket_{number - 1}"]
+        after = nodes[f"tfoverlap/caramel/bucket_{number}"]
+        inputs = {t.split(":")[0] for t in before.input if not t.startswith("^")}
+        chained = {s.decode() for s in after.attr[ORDER_ATTR].list.s}
+        assert chained == inputs and before.name not in chained
+        assert all("^" + name in after.input for name in inputs)
+    verify_graph_def(rewritten, ["train"])
+
+
+def test_caramel_steps_aside_where_it_predicts_no_gain(horovod_graph, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="tfoverlap")
+    rewritten, report = _rewrite(horovod_graph, bandwidth="100Gbit", force=False)
+    summary = report.passes[0].summary
+    assert not report.modified and rewritten is horovod_graph
+    assert summary["predicted_gain"] < 0.03 and "Horovod's own path" in summary["declined"]
+    assert summary["predicted_horovod_step_s"] > 0
+    assert sum("below min_gain" in r.getMessage() for r in caplog.records) == 1
+    # Where each message costs a millisecond and Horovod waits 5 ms cycles, planned
+    # buckets pay fewer of both: the same graph is planned without force.
+    _, acting = _rewrite(horovod_graph, force=False, bandwidth="1Gbit", latency=1e-3,
+                         cycle_ms=5, flops=1e10, threads=2)
+    assert acting.modified and acting.passes[0].summary["predicted_gain"] >= 0.03
+
+
 def test_the_backward_pass_is_left_alone_when_compute_is_the_bottleneck(horovod_graph):
-    rewritten, report = _rewrite(horovod_graph, bandwidth="100Gbit")
+    rewritten, report = _rewrite(horovod_graph, bandwidth="100Gbit", bucket_chain="finished")
     summary = report.passes[0].summary
     assert not summary["order_backward"] and summary["gradient_order"] == []
     assert summary["order_edges"] == summary["requests"] - 1     # only the bucket chain

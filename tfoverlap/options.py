@@ -23,6 +23,7 @@ DEFAULT_BANDWIDTH = 125e6
 SCHEDULES = ("tic", "tac", "none")
 ALLREDUCE_SCHEDULES = ("caramel", "none")
 GATES = ("arrival", "consumer")
+BUCKET_CHAINS = ("issued", "finished", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,11 @@ class Options:
                  takes 1 Gbit/s (the Horovod wrappers measure and give it).
     allreduce:   Horovod AllReduce scheduling: "caramel" (backward order, planned buckets,
                  split large gradients) or "none".
+    bucket_chain: Caramel: how each AllReduce request waits for the one before it, so that
+                 Horovod gets them in plan order: "issued" (default; it waits until the
+                 inputs of the one before are ready, so both can be in flight), "finished"
+                 (until the one before has been reduced: one negotiation and cycle per
+                 bucket, in series) or "none" (TensorFlow's executor decides).
     ranks:       Caramel: ranks in the job; 0 reads it from Horovod (or HOROVOD_SIZE /
                  OMPI_COMM_WORLD_SIZE).
     latency:     Caramel's alpha: seconds per message of a ring step.
@@ -93,6 +99,7 @@ class Options:
     profile: str = ""
     bandwidth: float = 0.0          # 0: "auto"
     allreduce: str = "none"
+    bucket_chain: str = "issued"
     ranks: int = 0
     latency: float = 50e-6
     split_bytes: float = 64e6
@@ -220,10 +227,11 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             value = str(value).lower()
             if value not in SCHEDULES:
                 raise ValueError(f"option 'schedule' must be one of {SCHEDULES}, got {value!r}")
-        elif name == "gate":
+        elif name in ("gate", "bucket_chain"):
             value = str(value).lower()
-            if value not in GATES:
-                raise ValueError(f"option 'gate' must be one of {GATES}, got {value!r}")
+            choices = GATES if name == "gate" else BUCKET_CHAINS
+            if value not in choices:
+                raise ValueError(f"option {name!r} must be one of {choices}, got {value!r}")
         elif name == "allreduce":
             value = str(value).lower()
             if value not in ALLREDUCE_SCHEDULES:

@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 
+from tfoverlap.bench.allreduce_worker import CARAMEL_VARIANTS
 from tfoverlap.bench.ps import link_name
 from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
@@ -55,8 +56,12 @@ def _worker_job(network, argv: list[str], env: dict, timeout: float, log_path: s
     return json.loads(lines[-1])
 
 
-def run_configuration(model: str, batch: int, bandwidth: float, rounds: int, steps: int,
-                      workdir: str, autotune: bool = True, timeout: float = 3600.0) -> dict:
+MAIN_JOB_VARIANTS = "horovod,ddp25,caramel,compute_only,comm_only"
+
+
+def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: int,
+                      steps: int, workdir: str, autotune: bool = True,
+                      timeout: float = 3600.0, variants: str = MAIN_JOB_VARIANTS) -> dict:
     """Both jobs of one configuration on a fresh two-host network; the raw measurements."""
     from tfoverlap.testbed.network import EmulatedNetwork
     os.makedirs(workdir, exist_ok=True)
@@ -65,7 +70,7 @@ def run_configuration(model: str, batch: int, bandwidth: float, rounds: int, ste
         description = network.describe()
         progress(f"{model} at {link_name(bandwidth)}: {description}; side-by-side job")
         main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
-                                                  str(steps)], {},
+                                                  str(steps), "--variants", variants], {},
                                timeout, os.path.join(workdir, "main-job.log"))
         tuned = None
         if autotune:
@@ -101,12 +106,12 @@ def summarize(result: dict) -> list[dict]:
     comm = statistics.median(times["comm_only"])
     comp = statistics.median(times["compute_only"])
     rows = []
-    for name in ("horovod", "autotune", "ddp25", "caramel"):
+    for name in ("horovod", "autotune", "ddp25", *CARAMEL_VARIANTS):
         if name not in times:
             continue
         spread = metrics.spread(times[name])
         ratio, low, high = metrics.speedup(times["horovod"], times[name])
-        caramel = result["caramel"] or {}
+        caramel = (result["caramel"] or {}).get(name) or {}
         rows.append({
             "model": result["model"], "mode": "training", "workers": 2,
             "link": link_name(result["bandwidth"]), "batch": result["batch"],
@@ -116,7 +121,9 @@ def summarize(result: dict) -> list[dict]:
             "comm_s": comm, "comp_s": comp, "comm_over_comp": comm / comp,
             "efficiency": metrics.efficiency(spread.median, comm, comp),
             "tensors": result["tensors"], "parameter_mb": result["parameter_bytes"] / 1e6,
-            "caramel_buckets": caramel.get("buckets", "") if name == "caramel" else "",
+            "caramel_buckets": caramel.get("buckets", ""),
+            "declined": bool(caramel.get("declined")),
+            "predicted_gain": caramel.get("predicted_gain", ""),
         })
     return rows
 
@@ -149,6 +156,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
     parser.add_argument("--no-autotune", action="store_true", help="skip the autotune job")
+    parser.add_argument("--variants", default=MAIN_JOB_VARIANTS,
+                        help="the side-by-side job's variants (see allreduce_worker); "
+                             "compute_only and comm_only give comm/comp")
     parser.add_argument("--out", default="out/horovod")
     args = parser.parse_args(argv)
     from tfoverlap.testbed.models import MODEL_NAMES
@@ -160,6 +170,12 @@ def main(argv=None) -> int:
                              f"{', '.join(DEFAULT_BATCH)}")
         bandwidths = [None if b.strip() == "unshaped" else parse_bandwidth(b)
                       for b in args.bandwidths.split(",")]
+        from tfoverlap.bench.allreduce_worker import VARIANT_NAMES
+        chosen = args.variants.split(",")
+        if not {"horovod", "compute_only", "comm_only"} <= set(chosen) or (
+                set(chosen) - set(VARIANT_NAMES)):
+            raise ValueError(f"--variants must include horovod, compute_only and comm_only "
+                             f"and come from {', '.join(VARIANT_NAMES)}")
         if min(args.rounds, args.steps) < 1 or (args.batch is not None and args.batch < 1):
             raise ValueError("--rounds, --steps and --batch must be >= 1")
     except ValueError as error:
@@ -173,7 +189,7 @@ def main(argv=None) -> int:
             workdir = os.path.join(args.out, "work", f"{model}-{link_name(bandwidth)}")
             result = run_configuration(model, args.batch or DEFAULT_BATCH.get(model, 4),
                                        bandwidth, args.rounds, args.steps, workdir,
-                                       autotune=not args.no_autotune)
+                                       autotune=not args.no_autotune, variants=args.variants)
             results.append(result)
             rows.extend(summarize(result))
             progress(", ".join(f"{r['variant']} {r['median_s']:.3f}s ({r['speedup']:.2f}x)"

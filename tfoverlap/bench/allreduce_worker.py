@@ -9,7 +9,10 @@ Variants (each its own graph and session, same model, batch and seed):
   autotune      the same graph; meant for a job with ``HOROVOD_AUTOTUNE=1`` (process-wide).
   ddp25         explicit groups as PyTorch DDP buckets them: reverse parameter order,
                 25 MiB per bucket, the first 1 MiB.
-  caramel       ``tfoverlap.horovod.DistributedOptimizer`` (network measured at start-up).
+  caramel       ``tfoverlap.horovod.DistributedOptimizer`` (network measured at start-up),
+                no options: it steps aside where it predicts no gain.
+  caramel_forced    the same, planning even where it predicts no gain (force=True).
+  caramel_finished  forced, each bucket issued only once the one before is reduced.
   compute_only  the same model with a local optimizer: the step without communication.
   comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
 """
@@ -22,7 +25,11 @@ import time
 
 __all__ = ["ddp_groups", "main"]
 
-VARIANT_NAMES = ("horovod", "autotune", "ddp25", "caramel", "compute_only", "comm_only")
+#: the Caramel variants and the options each configures the wrappers with.
+CARAMEL_VARIANTS = {"caramel": {}, "caramel_forced": {"force": True},
+                    "caramel_finished": {"force": True, "bucket_chain": "finished"}}
+VARIANT_NAMES = ("horovod", "autotune", "ddp25", *CARAMEL_VARIANTS, "compute_only",
+                 "comm_only")
 MIB = 2 ** 20
 
 
@@ -54,12 +61,16 @@ def _build(variant: str, args):
     def wrap(optimizer):
         if variant in ("horovod", "autotune"):
             return hvd.DistributedOptimizer(optimizer, sparse_as_dense=True)
-        if variant == "caramel":
+        if variant in CARAMEL_VARIANTS:
             return tfo_hvd.DistributedOptimizer(optimizer, sparse_as_dense=True)
         return optimizer
 
-    model = build_model(args.model, args.batch, 0, "/cpu:0", True, seed=args.seed,
-                        wrap_optimizer=None if variant == "ddp25" else wrap)
+    tfo_hvd.configure(**CARAMEL_VARIANTS.get(variant, {}))
+    try:
+        model = build_model(args.model, args.batch, 0, "/cpu:0", True, seed=args.seed,
+                            wrap_optimizer=None if variant == "ddp25" else wrap)
+    finally:
+        tfo_hvd.configure()
     fetch = model.fetch
     if variant == "ddp25":
         with model.graph.as_default():
@@ -107,7 +118,13 @@ def main(argv=None) -> int:
     import tfoverlap
     import tfoverlap.horovod as tfo_hvd
     began = time.perf_counter()
-    built = {variant: _build(variant, args) for variant in variants}
+    built, caramel = {}, {}
+    for variant in variants:
+        reports_before = len(tfoverlap.recent_reports())
+        built[variant] = _build(variant, args)
+        if variant in CARAMEL_VARIANTS:
+            caramel[variant] = next((p.summary for r in tfoverlap.recent_reports()[reports_before:]
+                                     for p in r.passes if p.name == "caramel"), None)
     build_seconds = time.perf_counter() - began
     for variant, (session, fetch, _) in built.items():
         for _ in range(args.warmup):
@@ -122,15 +139,13 @@ def main(argv=None) -> int:
                 session.run(fetch)
                 times[variant].append(time.perf_counter() - start)
     model = next(iter(built.values()))[2]
-    caramel = [p.summary for r in tfoverlap.recent_reports() for p in r.passes
-               if p.name == "caramel" and r.modified]
     if hvd.rank() == 0:
         print(json.dumps({
             "model": args.model, "batch": args.batch, "ranks": hvd.size(),
             "parameter_bytes": model.parameter_bytes, "tensors": len(model.variables),
             "times": times, "build_seconds": build_seconds,
             "network_model": tfo_hvd.network_model(),
-            "caramel": caramel[-1] if caramel else None}), flush=True)
+            "caramel": caramel}), flush=True)
     for session, _, _ in built.values():
         session.close()
     return 0

@@ -25,7 +25,8 @@ import sys
 from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
 
-__all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH", "DEFAULT_BANDWIDTH", "run_configuration", "main"]
+__all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH",
+           "DEFAULT_BANDWIDTH", "run_configuration", "link_name", "main"]
 
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
 VARIANTS = {

@@ -16,10 +16,15 @@ On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
 2. *Buckets.* :func:`tfoverlap.planning.caramel.plan_allreduce` picks bucket boundaries with the
    ring alpha-beta model and the expected ready times, splitting gradients larger than
    ``split_bytes``; each bucket becomes one ``HorovodGroupedAllreduce``, issued when its
-   last input exists and the bucket before it is reduced (Horovod reduces one request at
-   a time anyway; this makes the order the plan's); each update reads only its own bucket.
+   last input exists and the inputs of the bucket before it exist too (``bucket_chain``:
+   so Horovod gets them in plan order, while both can be in flight; "finished" waits for
+   the one before to be reduced); each update reads only its own bucket.
 3. *Agreement.* Every bucket waits for a check that all ranks planned the same buckets; a
    mismatch fails the step on every rank with a message naming the first difference.
+
+Before any of this, the plan is simulated against Horovod's own fusion; where it predicts
+less than ``min_gain`` the pass leaves the graph to Horovod (``force`` overrides). Every
+rank decides from the same inputs, so all decide alike.
 
 Ready times come from the profile when one is given, else from static estimates
 (:mod:`tfoverlap.costs.static`). After the rewrite no plain ``HorovodAllreduce`` is left, so a
@@ -30,7 +35,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from tfoverlap.graph.model import dtype_bytes
+from tfoverlap.graph.model import dtype_bytes, parse_input
+from tfoverlap.log import logger
 from tfoverlap.passes.base import PassContext, PassResult
 from tfoverlap.planning.caramel import is_planned_allreduce, plan_for_graph
 from tfoverlap.rewriters.allreduce_grouping import (CHECK_LENGTH, GROUP_ATTRS, BucketPieces,
@@ -107,6 +113,22 @@ def _requests(plan, names: list[str], node_defs: dict):
     return piece_elements, requests
 
 
+def _chain_edges(graph_def, requests: list[str], chain: str) -> list[tuple[str, str]]:
+    """(before, after) edges that make each request wait for the one before it: for its
+    completion ("finished"), or for its inputs ("issued")."""
+    if chain == "finished":
+        return list(zip(requests, requests[1:]))
+    if chain == "none":
+        return []
+    node_defs = {node.name: node for node in graph_def.node}
+    edges = []
+    for before, after in zip(requests, requests[1:]):
+        inputs = dict.fromkeys(parse_input(text)[0] for text in node_defs[before].input
+                               if not text.startswith("^"))
+        edges.extend((name, after) for name in inputs)
+    return edges
+
+
 def caramel_pass(graph_def, context: PassContext) -> PassResult:
     options = context.options
     if not any(is_planned_allreduce(node) for node in graph_def.node):
@@ -117,6 +139,20 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
     if not plan.nodes:
         return PassResult(graph_def, False, {"allreduces": 0, "allreduces_left_out": left_out,
                                              "allreduces_left_out_names": plan.left_out})
+    predicted_gain = (1.0 - plan.predicted_step / plan.baseline_step
+                      if plan.baseline_step > 0 else 0.0)
+    prediction = {"predicted_gain": round(predicted_gain, 4),
+                  "predicted_step_s": round(plan.predicted_step, 6),
+                  "predicted_horovod_step_s": round(plan.baseline_step, 6)}
+    if predicted_gain < options.min_gain and not options.force:
+        # Every rank plans from the same inputs, so every rank declines alike.
+        reason = (f"Caramel's buckets would take the step from {plan.baseline_step * 1e3:.3g} "
+                  f"ms with Horovod's fusion to {plan.predicted_step * 1e3:.3g} ms "
+                  f"({predicted_gain:+.1%}), below min_gain {options.min_gain:.1%}; Horovod's "
+                  "own path is left as it is (force=True plans anyway)")
+        logger.info("tfoverlap: graph %s: %s", context.item_id or "", reason)
+        return PassResult(graph_def, False, {"allreduces": len(plan.nodes), **prediction,
+                                             "declined": reason, "ranks": inputs.ranks})
     names = [model.names[v] for v in plan.nodes]
     node_defs = {node.name: node for node in graph_def.node}
     piece_elements, requests = _requests(plan, names, node_defs)
@@ -139,16 +175,18 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
                    node_defs[names[0]].device, prefix)
     order_backward = _communication_bound(plan)
     producers = [model.names[p] for p in plan.producers] if order_backward else []
-    # Requests are issued in plan order: each waits for the one before it. TensorFlow's
-    # executor would otherwise hand Horovod two ready buckets in either order.
+    # Requests are issued in plan order: each waits for the one before it (see the option
+    # bucket_chain). TensorFlow's executor would otherwise hand Horovod two ready buckets
+    # in either order.
     rewritten, edges = add_ordering_edges(
-        rewritten, list(zip(producers, producers[1:])) + list(zip(grouped, grouped[1:])),
-        marker=ORDER_ATTR)
+        rewritten, list(zip(producers, producers[1:]))
+        + _chain_edges(rewritten, grouped, options.bucket_chain), marker=ORDER_ATTR)
     return PassResult(rewritten, True, {
         "allreduces": len(names), "buckets": len(plan.buckets), "requests": len(requests),
         "bucket_bytes": [b.size for b in plan.buckets],
         "split_gradients": sorted(piece_elements), "order_edges": edges,
         "order_backward": order_backward, "gradient_order": producers,
+        "bucket_chain": options.bucket_chain, **prediction,
         "ranks": inputs.ranks, "threads": inputs.threads,
         "ready_times_from": inputs.ready_times_from, "plan_digest": digest,
         "predicted_last_bucket_end_s": round(plan.buckets[-1].finish, 6)

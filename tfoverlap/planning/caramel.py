@@ -58,6 +58,8 @@ class AllreducePlan:
     buckets: list[Bucket]     # pieces refer to positions in ``nodes``
     producers: list[int]      # the gradients' producers, in the order they should run
     left_out: dict = dataclasses.field(default_factory=dict)   # reason -> AllReduce names
+    predicted_step: float = math.nan    # simulated step under these buckets (seconds)
+    baseline_step: float = math.nan     # simulated step under Horovod's own fusion
 
 
 def _gradient_bytes(graph_def, model: GraphModel, node: int, succs,
@@ -250,8 +252,11 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
     fused = plan("default", horovod_default_buckets(
         sizes, ready, ranks, bandwidth, latency,
         fusion_bytes=min(HOROVOD_FUSION_BYTES, max_bucket_bytes)))
-    if step(fused) < step(caramel):
-        caramel.buckets = fused.buckets
+    caramel.predicted_step = step(caramel)
+    fused_step = step(fused)
+    if fused_step < caramel.predicted_step:
+        caramel.buckets, caramel.predicted_step = fused.buckets, fused_step
+    caramel.baseline_step = step(default)
     return caramel
 
 
@@ -338,7 +343,8 @@ class PlanInputs:
     def describe(self, options) -> str:
         """This rank's planning inputs, for a mismatch message that lets ranks be compared."""
         return (f"ranks={self.ranks}, threads={self.threads}, "
-                f"cycle={self.cycle_seconds * 1e3:g} ms, bandwidth={link_bandwidth(options):.6g} B/s, "
+                f"cycle={self.cycle_seconds * 1e3:g} ms, "
+                f"bandwidth={link_bandwidth(options):.6g} B/s, "
                 f"latency={options.latency:.6g} s, flops={planning_flops(options):.6g}, "
                 f"op times from {self.ready_times_from}")
 
