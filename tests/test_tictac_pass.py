@@ -157,7 +157,7 @@ def test_tac_uses_profile_times(tmp_path):
     def order_with(left_compute, right_compute):
         write_profile(path, {"left": left_compute, "right": right_compute},
                       {"small/read": 1.0, "big/read": 1.0})
-        _, report = tfoverlap.optimize(graph_def, schedule="tac", profile=str(path))
+        _, report = tfoverlap.optimize(graph_def, schedule="tac", profile=str(path), force=True)
         (order,) = report.passes[0].summary["order"].values()
         return order
 

@@ -10,7 +10,9 @@ result is deterministic for a given graph, so every rank computes the same plan.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import threading
 
 __all__ = ["StaticCosts", "static_costs"]
 
@@ -40,9 +42,55 @@ def _output_bytes(tensor) -> int | None:
 def static_costs(graph_def, flops_per_second: float) -> StaticCosts:
     """Estimated op times and known tensor sizes of ``graph_def``.
 
+    Importing a large graph takes a second or more, and Grappler shows the pass the same
+    graph twice (the second time with tfoverlap's own nodes and edges), so the FLOP counts
+    are remembered per graph (its nodes' names, ops and data inputs, tfoverlap's own
+    left out) for the last few graphs.
+
     Raises whatever TensorFlow raises if the graph cannot be imported (an op type that is
     not registered in this process, for example); callers fall back to unit costs.
     """
+    key = _fingerprint(graph_def)
+    with _cache_lock:
+        work = _cache.get(key)
+    if work is None:
+        work = _op_work(graph_def)
+        with _cache_lock:
+            _cache[key] = work
+            while len(_cache) > _CACHE_SIZE:
+                _cache.pop(next(iter(_cache)))
+    op_flops, op_bytes, sizes = work
+    op_seconds = {}
+    for name, output_bytes in op_bytes.items():
+        flops = op_flops.get(name)
+        seconds = (flops / flops_per_second if flops else
+                   output_bytes / MEMORY_BYTES_PER_SECOND)
+        op_seconds[name] = OP_OVERHEAD_SECONDS + seconds
+    return StaticCosts(op_seconds, dict(sizes))
+
+
+_CACHE_SIZE = 4
+_cache: dict = {}
+_cache_lock = threading.Lock()
+OWN_PREFIX = "tfoverlap/"          # tfoverlap's own nodes (gates, buckets) cost nothing
+
+
+def _fingerprint(graph_def) -> str:
+    digest = hashlib.sha1()
+    for node in graph_def.node:
+        if node.name.startswith(OWN_PREFIX):
+            continue
+        digest.update(node.name.encode())
+        digest.update(node.op.encode())
+        for text in node.input:
+            if not text.startswith("^"):
+                digest.update(text.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _op_work(graph_def) -> tuple[dict, dict, dict]:
+    """(node -> FLOPs where TensorFlow counts them, node -> output bytes, known sizes)."""
     import tensorflow as tf
     from tensorflow.python.framework import ops as tf_ops
     from tensorflow.python.util import deprecation
@@ -52,7 +100,7 @@ def static_costs(graph_def, flops_per_second: float) -> StaticCosts:
     scratch = tf.Graph()
     with scratch.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
-    op_seconds, sizes = {}, {}
+    op_flops, op_bytes, sizes = {}, {}, {}
     for op in scratch.get_operations():
         output_bytes = 0
         for slot, tensor in enumerate(op.outputs):
@@ -65,7 +113,7 @@ def static_costs(graph_def, flops_per_second: float) -> StaticCosts:
                 flops = tf_ops.get_stats_for_node_def(scratch, op.node_def, "flops").value
         except (ValueError, TypeError, AttributeError):
             flops = None
-        seconds = (flops / flops_per_second if flops else
-                   output_bytes / MEMORY_BYTES_PER_SECOND)
-        op_seconds[op.name] = OP_OVERHEAD_SECONDS + seconds
-    return StaticCosts(op_seconds, sizes)
+        if flops:
+            op_flops[op.name] = flops
+        op_bytes[op.name] = output_bytes
+    return op_flops, op_bytes, sizes

@@ -348,8 +348,8 @@ class GainEstimate:
 def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstimate | None:
     """The most ordering can gain on ``plan``'s graph (None: nothing is ordered).
 
-    Transfer times come from the profile where it has them, else from size / bandwidth;
-    compute times from the profile, else from static FLOP estimates at ``options.flops``
+    Transfer times are bytes (the profile's where it has them) over the link's bandwidth;
+    compute times come from the profile, else from static FLOP estimates at ``options.flops``
     (this host's measured rate when 0); the link is the plan's. The estimate assumes one
     worker per PS link: with several sharing a link, ``bandwidth`` should be the share of
     one.
@@ -374,13 +374,13 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
             comp[device] = comp.get(device, 0.0) + op_seconds.get(model.names[node], 0.0)
     best = None
     for destination, order in plan.orders.items():
+        # Bytes over the link, not the profile's transfer times: those overlap, and each
+        # includes the time it waited for the others.
         comm = 0.0
         for t in order:
             name = model.names[plan.transfers[t].source]
-            if profile is not None and name in profile.transfer_seconds:
-                comm += profile.transfer_seconds[name]
-            else:
-                comm += plan.sizes[t] / bandwidth
+            size = profile.transfer_bytes.get(name) if profile is not None else None
+            comm += (size if size is not None else plan.sizes[t]) / bandwidth
         estimate = GainEstimate(destination, comm, comp.get(destination, 0.0), figures)
         if best is None or estimate.gain > best.gain:
             best = estimate
