@@ -319,8 +319,11 @@ def test_backward_order_is_fixed_and_the_same_on_every_rank(network):
 
 def test_buckets_and_their_order_show_in_horovods_timeline(network, tmp_path):
     timeline = tmp_path / "timeline.json"
+    # bucket_chain="finished": each request waits for the one before to be reduced, so the
+    # order is strict ("issued" lets two requests reach Horovod together).
     env = {"HOROVOD_TIMELINE": str(timeline), "CARAMEL_TEST_MODEL": "parallel",
-           "HOROVOD_DISABLE_GROUP_FUSION": "1", "CARAMEL_TEST_FLOPS": "2e8"}
+           "HOROVOD_DISABLE_GROUP_FUSION": "1", "CARAMEL_TEST_FLOPS": "2e8",
+           "CARAMEL_TEST_CHAIN": "finished"}
     reports = _reports(_job(network, 2, "gloo", ["graph", "3", "flag"], env=env), 2)
     plan = reports[(0, "flag")]["plan"]
     rows = _timeline_rows(timeline.read_text())

@@ -29,8 +29,11 @@ hvd.init()
 BANDWIDTH = os.environ.get("CARAMEL_TEST_RANK1_BANDWIDTH") if hvd.rank() == 1 else None
 # By default a fast compute estimate: communication is the bottleneck, so the backward pass
 # is ordered; a slow one (CARAMEL_TEST_FLOPS=2e8) spreads the gradients over several buckets.
-OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6,
-               flops=float(os.environ.get("CARAMEL_TEST_FLOPS", 1e11)))
+# force: these jobs check the plan Caramel enforces, even where it predicts no gain.
+# CARAMEL_TEST_CHAIN: the bucket_chain option ("finished" makes the order strict).
+OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6, force=True,
+               flops=float(os.environ.get("CARAMEL_TEST_FLOPS", 1e11)),
+               bucket_chain=os.environ.get("CARAMEL_TEST_CHAIN", "issued"))
 tfo_hvd.configure(**OPTIONS)
 PARALLEL = os.environ.get("CARAMEL_TEST_MODEL") == "parallel"
 CONTROL_FLOW = os.environ.get("CARAMEL_TEST_MODEL") == "control_flow"
