@@ -373,3 +373,28 @@ def test_ranks_with_different_plans_fail_with_a_clear_error(network):
     for output in result.outputs:
         assert "planned different Caramel AllReduce buckets" in output, output[-3000:]
 
+
+
+def test_a_rewrite_applies_in_place_with_new_nodes_waiting_on_existing_ops():
+    """What the graph-mode wrapper does with Caramel's output: a new node with a data input
+    and a control input on ops that exist already (a bucket issued after the inputs of the
+    one before)."""
+    import tensorflow as tf
+    from tfoverlap.integrations.live_graph import apply_rewrite
+    graph = tf.Graph()
+    with graph.as_default():
+        first = tf.constant(1.0, name="first")
+        second = tf.add(first, 1.0, name="second")
+        tf.identity(second, name="out")
+    before = graph.as_graph_def()
+    after = tf.compat.v1.GraphDef()
+    after.CopyFrom(before)
+    bucket = after.node.add(name="bucket", op="Identity", input=["second", "^first"])
+    bucket.attr["T"].type = tf.float32.as_datatype_enum
+    out = next(n for n in after.node if n.name == "out")
+    out.input[:] = ["bucket"]
+    assert apply_rewrite(graph, before, after) == 1
+    assert [op.name for op in graph.get_operation_by_name("bucket").control_inputs] == ["first"]
+    assert graph.get_operation_by_name("out").inputs[0].op.name == "bucket"
+    with tf.compat.v1.Session(graph=graph) as session:
+        assert session.run("out:0") == 2.0

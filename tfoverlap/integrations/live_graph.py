@@ -30,17 +30,27 @@ def apply_rewrite(graph, before, after) -> int:
     fragment.versions.CopyFrom(after.versions)
     added_names = {node.name for node in added}
     input_map = {}
-    for node in added:
+    # import_graph_def maps only tensors into an unnamed import: control inputs on ops
+    # that exist already are added once the new nodes are in.
+    later_controls: dict[str, list[str]] = {}
+    for node in fragment.node:
+        kept = []
         for text in node.input:
             name, _, control = parse_input(text)
             if name in added_names:
-                continue
-            if control:
-                input_map["^" + name] = graph.get_operation_by_name(name)
+                kept.append(text)
+            elif control:
+                later_controls.setdefault(node.name, []).append(name)
             else:
                 input_map[text] = _tensor(graph, text)
+                kept.append(text)
+        del node.input[:]
+        node.input.extend(kept)
     with graph.as_default():
         tf.graph_util.import_graph_def(fragment, input_map=input_map, name="")
+    for name, controls in later_controls.items():
+        graph.get_operation_by_name(name)._add_control_inputs(  # noqa: SLF001 - module doc
+            [graph.get_operation_by_name(control) for control in controls])
     old = {node.name: node for node in before.node}
     for node in after.node:
         previous = old.get(node.name)
