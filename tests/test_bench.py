@@ -116,3 +116,20 @@ def test_horovod_benchmark_worker_end_to_end():
     assert set(record["times"]) == {"horovod", "caramel"}
     assert all(len(times) == 1 for times in record["times"].values())
     assert record["caramel"]["caramel"]["allreduces"] == record["tensors"]
+
+
+def test_result_rows_merge_into_the_docs_file(tmp_path):
+    def row(variant, link, median):
+        return {"model": "m", "mode": "inference", "workers": 2, "link": link,
+                "variant": variant, "median_s": median, "speedup": 1.0, "ci_low": 0.9,
+                "ci_high": 1.1, "batch": 4}
+    path = str(tmp_path / "ps.json")
+    report.write_result_rows([row("default", "loopback", 1.0), row("tic", "loopback", 2.0)],
+                             path, merge=True, command="first")
+    report.write_result_rows([row("tic", "loopback", 3.0), row("tic", "1Gbit", 4.0)], path,
+                             merge=True, command="second")
+    rows = json.loads(open(path).read())
+    assert [(r["variant"], r["link"], r["iteration_s"], r["command"]) for r in rows] == [
+        ("default", "loopback", 1.0, "first"), ("tic", "loopback", 3.0, "second"),
+        ("tic", "1Gbit", 4.0, "second")]
+    assert set(rows[0]) == set(report.RESULT_FIELDS) | {"batch", "command", "date"}

@@ -159,8 +159,13 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=MAIN_JOB_VARIANTS,
                         help="the side-by-side job's variants (see allreduce_worker); "
                              "compute_only and comm_only give comm/comp")
+    parser.add_argument("--results", help="also merge the rows into this JSON file "
+                                           "(docs/results/*.json), replacing rows of the same "
+                                           "model, mode, workers, link and variant")
     parser.add_argument("--out", default="out/horovod")
     args = parser.parse_args(argv)
+    command = " ".join([parser.prog]
+                       + [str(a) for a in (sys.argv[1:] if argv is None else argv)])
     from tfoverlap.testbed.models import MODEL_NAMES
     try:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -200,6 +205,9 @@ def main(argv=None) -> int:
             with open(os.path.join(args.out, "results.md"), "w") as stream:
                 stream.write(markdown_table(rows))
             report.write_result_rows(rows, os.path.join(args.out, "rows.json"))
+            if args.results:
+                report.write_result_rows(rows, args.results, merge=True,
+                                         command=command)
             report.plot_speedups(rows, os.path.join(args.out, "speedups.png"),
                                  baseline="horovod",
                                  ylabel="speed-up over Horovod's defaults")

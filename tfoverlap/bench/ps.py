@@ -266,8 +266,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
     parser.add_argument("--traces", type=int, default=3, help="traced steps per variant")
+    parser.add_argument("--results", help="also merge the rows into this JSON file "
+                                           "(docs/results/*.json), replacing rows of the same "
+                                           "model, mode, workers, link and variant")
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args(argv)
+    command = " ".join([parser.prog]
+                       + [str(a) for a in (sys.argv[1:] if argv is None else argv)])
     try:
         configurations = _parse_models(args.models)
         variants = [v.strip() for v in args.variants.split(",")]
@@ -307,6 +312,9 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "results.md"), "w") as stream:
             stream.write(report.markdown_table(rows))
         report.write_result_rows(rows, os.path.join(args.out, "rows.json"))
+        if args.results:
+            report.write_result_rows(rows, args.results, merge=True,
+                                     command=command)
     print()
     print(f"{args.ps} PS, {args.workers} workers, {results[0]['network']}; {args.rounds} rounds "
           f"x {args.steps} steps per variant and worker, interleaved")

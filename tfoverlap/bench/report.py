@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 import time
 
@@ -29,16 +30,29 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(rows)
 
 
-def write_result_rows(rows: list[dict], path: str, extra=("batch", "ps", "comm_over_comp",
-                                                          "declined")) -> None:
-    """The machine-readable rows (docs/results/*.json): RESULT_FIELDS, then the ``extra``
-    fields a row has; one JSON object per row, in a list."""
+RESULT_EXTRA = ("batch", "ps", "comm_over_comp", "declined", "command", "date")
+_ROW_KEY = ("model", "mode", "workers", "link", "variant")
+
+
+def write_result_rows(rows: list[dict], path: str, merge: bool = False,
+                      command: str = "") -> None:
+    """The machine-readable rows (docs/results/*.json): RESULT_FIELDS, then those of
+    RESULT_EXTRA a row has; one JSON object per row, in a list. With ``merge``, rows
+    already in the file stay unless a new row has the same model, mode, workers, link and
+    variant; ``command`` (what reproduces the rows) and today's date go into each row."""
     records = []
     for row in rows:
+        row = {**row, **({"command": command, "date": time.strftime("%Y-%m-%d")}
+                         if command else {})}
         record = {key: row["median_s"] if key == "iteration_s" else row[key]
                   for key in RESULT_FIELDS}
-        record.update({key: row[key] for key in extra if key in row})
+        record.update({key: row[key] for key in RESULT_EXTRA if key in row})
         records.append(record)
+    if merge and os.path.exists(path):
+        with open(path) as stream:
+            kept = json.load(stream)
+        new_keys = {tuple(r[k] for k in _ROW_KEY) for r in records}
+        records = [r for r in kept if tuple(r.get(k) for k in _ROW_KEY) not in new_keys] + records
     with open(path, "w") as stream:
         json.dump(records, stream, indent=1)
         stream.write("\n")
