@@ -165,3 +165,27 @@ def test_release_groups_arrive_group_by_group(one_ps_cluster):
         for earlier, later in zip(groups, groups[1:]):
             assert max(arrived[a] for a in earlier) < min(arrived[b] for b in later), (
                 earlier, later, arrived)
+
+
+def test_a_session_measures_its_ps_link_once_and_the_pass_plans_with_it(one_ps_cluster):
+    """A TfOverlap session on a grpc target, bandwidth not given: the link to the PS task
+    is measured before the session starts (once per process), and the plan says so."""
+    from tfoverlap.costs.host import measured_links
+    from tfoverlap.integrations import link_probe
+    model = chain_model(4, width=64, batch=8)
+    config = tfoverlap.session_config(schedule="tic", force=True, credit=0)
+    with tf.compat.v1.Session(one_ps_cluster.target(), graph=model.graph, config=config) as s:
+        s.run(model.init)
+        s.run(model.loss)
+    links = {d: v for d, v in measured_links().items()
+             if d.startswith("/job:ps/replica:0/task:0")}
+    assert len(links) == 1
+    ((bandwidth, round_trip),) = links.values()
+    assert bandwidth > 1e7 and round_trip > 0
+    _, entry = latest_report_with_transfers()
+    assert entry.summary["link"].endswith("(measured)")
+    # A config that gives the bandwidth, or does not switch TfOverlap on, measures nothing.
+    given = tfoverlap.session_config(schedule="tic", bandwidth="10Gbit")
+    assert link_probe._wants_measurement(given) is None
+    assert link_probe._wants_measurement(tf.compat.v1.ConfigProto()) is None
+    assert link_probe._wants_measurement(config) == ["/job:ps"]

@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_BATCH", "run_configuration", "summarize", "main"]
 #: as computation or longer on this project's 2-core machines (the measured ratio is
 #: reported next to every result).
 DEFAULT_BATCH = {"resnet50": 2, "inception_v3": 2, "vgg16": 2, "transformer": 4,
-                 "resnet20": 32}
+                 "resnet20": 32, "mobilenet_v2": 8}
 AUTOTUNE_ENV = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
                 "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3",
                 "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}

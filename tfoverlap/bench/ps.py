@@ -221,12 +221,22 @@ def summarize(result: dict) -> list[dict]:
             "efficiency": metrics.efficiency(iteration.median, comm, comp),
             "straggler": metrics.straggler_effect(result["blocks"][name]),
             "distinct_orders": distinct, "top_order_share": share,
+            "transfer_span_s": _transfer_span(result["traces"][name]),
             "transfers": result["passes"].get(name, {}).get("transfers", ""),
             "ordering_edges": result["passes"].get(name, {}).get("ordering_edges", ""),
             "gates": result["passes"].get(name, {}).get("gates", ""),
             "declined": bool(result["passes"].get(name, {}).get("declined")),
         })
     return rows
+
+
+def _transfer_span(traced: list[list[dict]]) -> float:
+    """Median over traced steps and workers of the time from the first transfer's request
+    to the last one's arrival: how long the step's parameters took to arrive."""
+    spans = [(max(t[1] + t[2] for t in answer["transfers"])
+              - min(t[1] for t in answer["transfers"])) * 1e-6
+             for answers in traced for answer in answers if answer["transfers"]]
+    return statistics.median(spans) if spans else float("nan")
 
 
 def link_name(bandwidth: float | None) -> str:

@@ -13,7 +13,8 @@ __all__ = ["PsModel", "MODEL_NAMES", "CIFAR_MODELS", "cifar_resnet", "chain_mode
            "transformer_model", "control_flow_model", "build_model"]
 
 KERAS_APPLICATIONS = {"resnet50": "ResNet50", "inception_v3": "InceptionV3",
-                      "vgg16": "VGG16", "resnet152": "ResNet152"}
+                      "vgg16": "VGG16", "resnet152": "ResNet152",
+                      "mobilenet_v2": "MobileNetV2"}
 #: CIFAR-sized models (32x32 images, 10 classes), built here in Keras.
 CIFAR_MODELS = ("resnet20",)
 MODEL_NAMES = ("seq32", "par32") + tuple(KERAS_APPLICATIONS) + CIFAR_MODELS + ("transformer",)
