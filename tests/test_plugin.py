@@ -119,7 +119,7 @@ def test_an_unwritable_report_dir_is_a_warning_and_the_rewrite_stands(tmp_path, 
     blocked.write_text("")
     model = local_chain()
     caplog.set_level(logging.WARNING, logger="tfoverlap")
-    config = local_config(schedule="tic", report_dir=str(blocked / "reports"))
+    config = local_config(schedule="tic", report_dir=str(blocked / "reports"), **SERIAL)
     with tf.compat.v1.Session(graph=model.graph, config=config) as sess:
         sess.run(model.init)
         sess.run(model.loss)

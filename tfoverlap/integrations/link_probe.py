@@ -31,9 +31,11 @@ _installed = False
 _measuring = threading.local()
 
 
-def measure_ps_link(target: str, ps_device: str, probe_bytes: int = PROBE_BYTES,
-                    repeats: int = 3, timeout_ms: int = 30_000) -> tuple[float, float]:
-    """(bytes/s, round trip seconds) of fetching from ``ps_device`` through ``target``."""
+def measure_ps_link(target: str, ps_device: str, worker_device: str = "",
+                    probe_bytes: int = PROBE_BYTES, repeats: int = 3,
+                    timeout_ms: int = 30_000) -> tuple[float, float]:
+    """(bytes/s, round trip seconds) of fetching from ``ps_device`` to ``worker_device``
+    (the session's own device where empty) through ``target``."""
     import tensorflow as tf
     graph = tf.Graph()
     with graph.as_default():
@@ -41,7 +43,8 @@ def measure_ps_link(target: str, ps_device: str, probe_bytes: int = PROBE_BYTES,
         with tf.device(ps_device):
             tiny = tf.fill([1], one)
             large = tf.fill([probe_bytes // 4], one)
-        tiny_sum, large_sum = tf.reduce_sum(tiny), tf.reduce_sum(large)
+        with tf.device(worker_device or None):
+            tiny_sum, large_sum = tf.reduce_sum(tiny), tf.reduce_sum(large)
     config = tf.compat.v1.ConfigProto()
     config.graph_options.rewrite_options.disable_meta_optimizer = True
     options = tf.compat.v1.RunOptions(timeout_in_ms=timeout_ms)
@@ -84,16 +87,23 @@ def _wants_measurement(config) -> list[str] | None:
     return None
 
 
-def _ps_tasks(graph, specs: list[str]) -> list[str]:
-    """The PS task devices ("/job:ps/task:0") that ops of ``graph`` are placed on."""
+def _placement(graph, specs: list[str]) -> tuple[list[str], str]:
+    """(the PS task devices, "/job:ps/replica:0/task:0", that ops of ``graph`` are placed
+    on; the device most of its other placed ops are on, "" if none)."""
+    import collections
+
     from tensorflow.python.framework import device as tf_device
     matchers = [DeviceMatcher(spec) for spec in specs]
-    tasks = set()
+    tasks, others = set(), collections.Counter()
     for op in graph.get_operations():
-        if op.device and any(matches(op.device) for matches in matchers):
+        if not op.device:
+            continue
+        if any(matches(op.device) for matches in matchers):
             parsed = tf_device.DeviceSpec.from_string(op.device)
             tasks.add(f"/job:{parsed.job}/replica:{parsed.replica or 0}/task:{parsed.task or 0}")
-    return sorted(tasks)
+        else:
+            others[op.device] += 1
+    return sorted(tasks), (others.most_common(1)[0][0] if others else "")
 
 
 def _measure_for_session(target, graph, config) -> None:
@@ -107,11 +117,12 @@ def _measure_for_session(target, graph, config) -> None:
     import tensorflow as tf
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     known = measured_links()
-    for task in _ps_tasks(graph, specs):
+    tasks, worker_device = _placement(graph, specs)
+    for task in tasks:
         if any(device.startswith(task) for device in known):
             continue
         try:
-            bandwidth, round_trip = measure_ps_link(target, task)
+            bandwidth, round_trip = measure_ps_link(target, task, worker_device)
         except Exception as error:  # noqa: BLE001 - measuring must never stop a session
             warn_once(f"tfoverlap: could not measure the link to {task} ({type(error).__name__}:"
                       f" {error}); TicTac assumes 1 Gbit/s (set the bandwidth option)")

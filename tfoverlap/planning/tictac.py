@@ -29,9 +29,8 @@ from tfoverlap.rewriters.control_edges import ARRIVAL_ATTR, ARRIVAL_PREFIX, Arri
 from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups, tac_order,
                                          tic_order)
 
-__all__ = ["TransferPlan", "plan_transfer_order", "dependency_bits", "credit_bytes",
-           "GainEstimate", "estimate_gain",
-           "MOST_GATES_PER_STEP"]
+__all__ = ["TransferPlan", "plan_transfer_order", "dependency_bits", "link_figures",
+           "credit_bytes", "GainEstimate", "estimate_gain", "MOST_GATES_PER_STEP"]
 
 #: credit="auto" makes groups large enough that a step pays at most about this many gates.
 MOST_GATES_PER_STEP = 32
@@ -179,9 +178,10 @@ def _transfer_sizes(graph_def, model: GraphModel, transfers: list[Transfer]) -> 
 
 def _arrival_node(graph_def, destination_index: int, destination: str,
                   members: list[Transfer]) -> ArrivalNode | None:
-    """The gate that runs once every transfer of ``members`` has arrived, or None if no
-    member's dtype is known. Its name says which tensors it consumes, so a gate that an
-    earlier run left (and Grappler kept) is reused only for the same group."""
+    """The gate that runs once the transfers of ``members`` have arrived (those whose dtype
+    is known: a node needs its inputs' types), or None if no member's is. Its name says
+    which tensors it consumes, so a gate that an earlier run left (and Grappler kept) is
+    reused only for the same group."""
     tensors, dtypes = [], []
     for transfer in members:
         source = graph_def.node[transfer.source]
