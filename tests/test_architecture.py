@@ -26,6 +26,8 @@ LAYERS = {
     "tfoverlap.integrations": 5,
     "tfoverlap.api": 6,
     "tfoverlap.horovod": 7,
+    "tfoverlap.launcher": 7,
+    "tfoverlap.boot": 9,
     "tfoverlap.cli": 9,          # entry points and tools: may use anything below
     "tfoverlap.__main__": 9,
     "tfoverlap.testbed": 9,

@@ -19,8 +19,8 @@ from tfoverlap.options import parse_options
 from tfoverlap.passes.base import PassContext
 from tfoverlap.passes.pipeline import run_pipeline
 
-__all__ = ["optimize", "session_config", "rewriter_config_text", "tf_function_options",
-           "enable_for_tf_function"]
+__all__ = ["merge_config", "optimize", "session_config", "rewriter_config_text",
+           "tf_function_options", "enable_for_tf_function"]
 
 
 def optimize(graph_def, *, fetch: Iterable[str] = (), feed: Iterable[str] = (),
@@ -96,6 +96,19 @@ def session_config(config=None, **options):
     """
     load()
     install_session_hook()
+    return _add_optimizer(config, options)
+
+
+def merge_config(config, options: dict):
+    """``config`` (None: an empty one) with TfOverlap switched on under ``options``; where
+    it names TfOverlap already, its parameters win and ``options`` fill in the rest. A
+    copy: ``config`` is never modified."""
+    if config is not None:
+        for optimizer in config.graph_options.rewrite_options.custom_optimizers:
+            if optimizer.name == OPTIMIZER_NAME:
+                from tfoverlap.integrations.grappler import options_from_parameters
+                given = options_from_parameters(optimizer.parameter_map)
+                return _add_optimizer(config, {**options, **given})
     return _add_optimizer(config, options)
 
 

@@ -487,6 +487,8 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--top", type=int, default=10, help="rows to show")
         return command
 
+    commands.add_parser("run", help="run an unmodified program with TfOverlap on: "
+                                    "tfoverlap run [options] -- PROGRAM ARGS...")
     inspect = graph_command("inspect", "parameters, PS tasks, transfers, critical path, "
                                        "Horovod ops of a graph")
     inspect.set_defaults(run=_inspect)
@@ -540,7 +542,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run(argv: list[str]) -> int:
+    """``tfoverlap run [options] -- PROGRAM ARGS...``: see :mod:`tfoverlap.launcher`."""
+    from tfoverlap.launcher import run_program
+    from tfoverlap.options import OPTION_NAMES, Options
+    parser = _Parser(prog="tfoverlap run", description="run an unmodified program with the "
+                     "TfOverlap optimizer switched on in every TensorFlow session and "
+                     "tf.function of it and of its child processes")
+    for name in OPTION_NAMES:
+        default = getattr(Options(), name)
+        parser.add_argument("--" + name.replace("_", "-"), dest=name,
+                            help=f"the option '{name}' (default {default!r})")
+    if "--" not in argv:
+        parser.error("give the program after '--': tfoverlap run [options] -- python train.py")
+    split = argv.index("--")
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    if not command:
+        parser.error("no program after '--'")
+    options = {name: value for name, value in vars(args).items() if value is not None}
+    try:
+        from tfoverlap.options import parse_options
+        parse_options(options)
+    except ValueError as error:
+        parser.error(str(error))
+    return run_program(command, options)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if argv[:1] == ["run"]:
+        return _run(argv[1:])
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:

@@ -23,7 +23,7 @@ from tfoverlap.options import parse_options
 from tfoverlap.passes.base import REPORTS, PassContext, PassFailure
 from tfoverlap.passes.pipeline import run_pipeline
 
-__all__ = ["load", "library_path", "OPTIMIZER_NAME"]
+__all__ = ["load", "library_path", "options_from_parameters", "OPTIMIZER_NAME"]
 
 OPTIMIZER_NAME = "TfOverlap"
 _ABI_VERSION = 1
@@ -81,8 +81,13 @@ def _options_from_config(serialized: bytes) -> dict:
     from tensorflow.core.protobuf import rewriter_config_pb2
     config = rewriter_config_pb2.RewriterConfig.CustomGraphOptimizer()
     config.ParseFromString(serialized)
+    return options_from_parameters(config.parameter_map)
+
+
+def options_from_parameters(parameter_map) -> dict:
+    """Raw option values from a custom optimizer's ``parameter_map`` (AttrValues)."""
     values = {}
-    for key, attr in config.parameter_map.items():
+    for key, attr in parameter_map.items():
         kind = attr.WhichOneof("value")
         if kind == "s":
             values[key] = attr.s.decode()
