@@ -281,6 +281,20 @@ def test_caramel_trains_exactly_like_horovod(network, ranks, controller, variant
     assert len(digests) == 1
 
 
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_keras_model_fit_trains_with_caramels_plan_like_horovod_keras(network, controller):
+    """tfoverlap.horovod.keras.DistributedOptimizer in model.fit: Horovod Keras's losses,
+    and the plan of the train function is the same on both ranks."""
+    reports = _reports(_job(network, 2, controller, ["keras", "4", "horovod", "dropin"]), 2)
+    for rank in (0, 1):
+        plain = reports[(rank, "horovod")]["losses"]
+        assert len(plain) == 4 and np.isfinite(plain).all()
+        record = reports[(rank, "dropin")]
+        assert record["plan"] and record["plan"]["allreduces"] == 4, record
+        np.testing.assert_allclose(record["losses"], plain, rtol=1e-5, err_msg=f"rank {rank}")
+    assert len({reports[(r, "dropin")]["plan"]["plan_digest"] for r in (0, 1)}) == 1
+
+
 @pytest.mark.parametrize("mode", ["graph", "tf2"])
 def test_caramel_trains_a_model_with_control_flow_exactly_like_horovod(network, mode):
     """A while loop reading a weight in every iteration and a cond whose branch alternates:

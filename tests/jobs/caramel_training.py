@@ -1,7 +1,8 @@
 """A Horovod training job for the Caramel tests: prints each variant's losses as JSON.
 
-argv: MODE (graph | tf2) STEPS VARIANT... with VARIANT one of horovod (plain Horovod),
-flag (the session config / tf.function flag) and dropin (tfoverlap.horovod's wrappers).
+argv: MODE (graph | tf2 | keras) STEPS VARIANT... with VARIANT one of horovod (plain
+Horovod), flag (the session config / tf.function flag) and dropin (tfoverlap.horovod's
+wrappers; tfoverlap.horovod.keras's in keras mode, which trains with model.fit).
 Every rank trains the same small conv + dense model from the same initial weights on its
 own data (seeded by rank), so the losses depend on the reduction being right. Graph-mode
 runs trace every step and report the order in which the gradient producers started.
@@ -126,9 +127,38 @@ def train_tf2(variant):
             for s in range(steps)], []
 
 
+def train_keras(variant):
+    """model.fit with horovod.tensorflow.keras's optimizer, or tfoverlap.horovod.keras's."""
+    import horovod.tensorflow.keras as hvd_keras
+
+    import tfoverlap.horovod.keras as tfo_keras
+    if variant == "flag":
+        tfoverlap.enable_for_tf_function(allreduce="caramel", schedule="none", **OPTIONS)
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([
+        layers.Conv2D(16, 3, padding="same", activation="relu", use_bias=False,
+                      input_shape=(16, 16, 3)),
+        layers.Conv2D(32, 3, padding="same", activation="relu", use_bias=False),
+        layers.MaxPooling2D(2, 2, padding="same"), layers.Flatten(),
+        layers.Dense(256, activation="relu", use_bias=False),
+        layers.Dense(10, use_bias=False)])
+    model.set_weights(initial)
+    distributed = tfo_keras if variant == "dropin" else hvd_keras
+    model.compile(optimizer=distributed.DistributedOptimizer(
+        tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9)),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    losses = []
+    record = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: losses.append(float(logs["loss"])))
+    model.fit(images.reshape(-1, 16, 16, 3), labels.reshape(-1), batch_size=16, epochs=1,
+              shuffle=False, verbose=0, callbacks=[record])
+    return losses, []
+
+
+TRAIN = {"graph": train_graph, "tf2": train_tf2, "keras": train_keras}
 for variant in variants:
     before = len(caramel_summaries())
-    losses, started = (train_graph if mode == "graph" else train_tf2)(variant)
+    losses, started = TRAIN[mode](variant)
     new = caramel_summaries()[before:]
     plan = new[-1] if new else None
     # The order the planned gradient producers (or, for plain Horovod, the same ops as
