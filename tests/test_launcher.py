@@ -138,3 +138,27 @@ def test_a_programs_own_rewriter_config_takes_effect_under_tfoverlap_run(ps_task
     planned = _planned_order(reports)
     assert all(order == planned for order in arrivals), (planned, arrivals)
     assert "ordered 8 PS transfers" in stderr
+
+
+def test_a_cluster_coordinator_is_told_in_one_line_that_it_is_not_reached(caplog):
+    import logging
+
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+    from tfoverlap import log
+    from tfoverlap.log import logger
+    log._said.discard(launcher.UNSUPPORTED_COORDINATOR)   # said once per process
+    original = cluster_coordinator.ClusterCoordinator.__init__
+    caplog.set_level(logging.WARNING, logger=logger.name)
+    try:
+        launcher._say_when_unsupported()
+
+        class NotAStrategy:
+            _cluster_coordinator = None
+
+        for _ in range(2):
+            with pytest.raises(ValueError, match="ParameterServerStrategy"):
+                cluster_coordinator.ClusterCoordinator(NotAStrategy())
+    finally:
+        cluster_coordinator.ClusterCoordinator.__init__ = original
+    lines = [r.getMessage() for r in caplog.records if "ClusterCoordinator" in r.getMessage()]
+    assert lines == [launcher.UNSUPPORTED_COORDINATOR]

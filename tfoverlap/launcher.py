@@ -136,11 +136,32 @@ def _on_tensorflow(options: dict) -> None:
 
         session_module.Session.__init__ = __init__
         enable_for_tf_function(**options)
+        _say_when_unsupported()
     except Exception as error:  # noqa: BLE001 - the program must run anyway
         print(f"tfoverlap: could not switch TfOverlap on ({type(error).__name__}: {error}); "
               "running without it", file=sys.stderr)
         return
     atexit.register(lambda: print(summary_line(), file=sys.stderr, flush=True))
+
+
+UNSUPPORTED_COORDINATOR = (
+    "tfoverlap: functions that a ParameterServerStrategy ClusterCoordinator schedules are not "
+    "optimized (its workers instantiate them without TfOverlap); TF1 sessions and "
+    "tf.functions run in this process are")
+
+
+def _say_when_unsupported() -> None:
+    """One line when the program creates a ClusterCoordinator, whose scheduled functions
+    the pass does not reach (yet)."""
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+    from tfoverlap.log import warn_once
+    original = cluster_coordinator.ClusterCoordinator.__init__
+
+    def __init__(self, *args, **kwargs):
+        warn_once(UNSUPPORTED_COORDINATOR)
+        original(self, *args, **kwargs)
+
+    cluster_coordinator.ClusterCoordinator.__init__ = __init__
 
 
 def summary_line() -> str:
