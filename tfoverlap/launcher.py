@@ -28,8 +28,8 @@ import threading
 
 from tfoverlap.options import OPTION_NAMES, parse_options
 
-__all__ = ["ENV_PREFIX", "ENV_ACTIVE", "options_from_environment", "environment_for", "boot_directory",
-           "activate_from_environment", "summary_line", "run_program"]
+__all__ = ["ENV_PREFIX", "ENV_ACTIVE", "options_from_environment", "environment_for",
+           "boot_directory", "activate_from_environment", "summary_line", "run_program"]
 
 ENV_PREFIX = "TFOVERLAP_"
 #: set by the launcher: switch TfOverlap on even where no option is given (its defaults).
