@@ -188,6 +188,21 @@ def _schedule_in_place(graph) -> None:
     logger.info("%s", report)
 
 
+def keeps_horovods_reduction(groups, num_groups: int, backward_passes_per_step: int,
+                             op) -> bool:
+    """Whether an optimizer wrapper must leave the reduction to Horovod (explicit groups,
+    gradient accumulation, Adasum), saying so in one warning."""
+    import horovod.tensorflow as hvd
+    unsupported = [reason for reason, present in (
+        ("explicit groups", groups is not None or num_groups),
+        ("backward_passes_per_step > 1", backward_passes_per_step > 1),
+        ("Adasum", op == hvd.Adasum)) if present]
+    if unsupported:
+        logger.warning("tfoverlap: %s: Horovod's own reduction is used, without Caramel",
+                       ", ".join(unsupported))
+    return bool(unsupported)
+
+
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
                          device_sparse="", compression=None, sparse_as_dense=False,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
@@ -211,13 +226,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
         groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
-    unsupported = [reason for reason, present in (
-        ("explicit groups", groups is not None or num_groups),
-        ("backward_passes_per_step > 1", backward_passes_per_step > 1),
-        ("Adasum", op == hvd.Adasum)) if present]
-    if unsupported:
-        logger.warning("tfoverlap: %s: Horovod's own reduction is used, without Caramel",
-                       ", ".join(unsupported))
+    if keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op):
         return wrapped
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         _enable_for_functions()

@@ -13,8 +13,7 @@ through::
 """
 from __future__ import annotations
 
-from tfoverlap.horovod import _enable_for_functions
-from tfoverlap.log import logger
+from tfoverlap.horovod import _enable_for_functions, keeps_horovods_reduction
 
 __all__ = ["DistributedOptimizer"]
 
@@ -32,14 +31,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     compression = hvd.Compression.none if compression is None else compression
     op = hvd.Average if op is None else op
     process_set = hvd.global_process_set if process_set is None else process_set
-    unsupported = [reason for reason, present in (
-        ("explicit groups", groups is not None or num_groups),
-        ("backward_passes_per_step > 1", backward_passes_per_step > 1),
-        ("Adasum", op == hvd.Adasum)) if present]
-    if unsupported:
-        logger.warning("tfoverlap: %s: Horovod's own reduction is used, without Caramel",
-                       ", ".join(unsupported))
-    else:
+    if not keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op):
         _enable_for_functions()
     return hvd_keras.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,

@@ -197,7 +197,7 @@ def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
                             check_files=False)
     plan = plan_transfer_order(graph_def, options)
     model = graph.model
-    index = {name: node for node, name in enumerate(model.names)}
+    index = model.index
     gate_tasks: dict[str, list[int]] = {}
     for arrival in plan.arrivals:
         sources = [index.get(tensor.split(":")[0]) for tensor in arrival.tensors]
