@@ -331,19 +331,24 @@ def test_backward_order_is_fixed_and_the_same_on_every_rank(network):
     assert len(set(plain)) > 1, "plain Horovod's order never varied: the test shows nothing"
 
 
-def test_buckets_and_their_order_show_in_horovods_timeline(network, tmp_path):
+@pytest.mark.parametrize("mode, variant", [("graph", "flag"), ("keras", "dropin")])
+def test_buckets_and_their_order_show_in_horovods_timeline(network, tmp_path, mode, variant):
+    """Graph mode with the session flag, and Keras model.fit with tfoverlap.horovod.keras."""
     timeline = tmp_path / "timeline.json"
     # bucket_chain="finished": each request waits for the one before to be reduced, so the
     # order is strict ("issued" lets two requests reach Horovod together).
-    env = {"HOROVOD_TIMELINE": str(timeline), "CARAMEL_TEST_MODEL": "parallel",
-           "HOROVOD_DISABLE_GROUP_FUSION": "1", "CARAMEL_TEST_FLOPS": "2e8",
-           "CARAMEL_TEST_CHAIN": "finished"}
-    reports = _reports(_job(network, 2, "gloo", ["graph", "3", "flag"], env=env), 2)
-    plan = reports[(0, "flag")]["plan"]
+    env = {"HOROVOD_TIMELINE": str(timeline), "HOROVOD_DISABLE_GROUP_FUSION": "1",
+           "CARAMEL_TEST_FLOPS": "2e8", "CARAMEL_TEST_CHAIN": "finished",
+           # Keras builds its own model (four weights, one of 2 MB; small buckets keep
+           # that one apart); graph mode takes eight branches.
+           "CARAMEL_TEST_MODEL": "parallel" if mode == "graph" else "",
+           "CARAMEL_TEST_BUCKET_BYTES": str(4 * 2 ** 20 if mode == "graph" else 2 ** 16)}
+    reports = _reports(_job(network, 2, "gloo", [mode, "3", variant], env=env), 2)
+    plan = reports[(0, variant)]["plan"]
     rows = _timeline_rows(timeline.read_text())
     requests = sorted({name.rsplit("_", 1)[0] for name in rows if "/bucket_" in name},
                       key=lambda n: int(n.rsplit("_", 1)[1]))
-    assert len(requests) == plan["requests"] >= 2
+    assert len(requests) == plan["requests"] >= 2, (requests, plan)
     for step in range(3):
         starts = []
         for request in requests:

@@ -1,6 +1,7 @@
 """The examples under examples/ run, a few steps each, as their docstrings say.
 
-(examples/tf1_ps_train.py runs in tests/test_launcher.py, with and without tfoverlap run.)
+(examples/tf1_ps_train.py and examples/tf2_ps_strategy_train.py run in
+tests/test_launcher.py, with and without tfoverlap run.)
 """
 import json
 import os

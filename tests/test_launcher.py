@@ -140,25 +140,65 @@ def test_a_programs_own_rewriter_config_takes_effect_under_tfoverlap_run(ps_task
     assert "ordered 8 PS transfers" in stderr
 
 
-def test_a_cluster_coordinator_is_told_in_one_line_that_it_is_not_reached(caplog):
-    import logging
+PS_STRATEGY_EXAMPLE = os.path.join(ROOT, "examples", "tf2_ps_strategy_train.py")
+PROFILED_SERVER = os.path.join(ROOT, "tests", "jobs", "profiled_server.py")
 
-    from tensorflow.python.distribute.coordinator import cluster_coordinator
-    from tfoverlap import log
-    from tfoverlap.log import logger
-    log._said.discard(launcher.UNSUPPORTED_COORDINATOR)   # said once per process
-    original = cluster_coordinator.ClusterCoordinator.__init__
-    caplog.set_level(logging.WARNING, logger=logger.name)
+
+def _ps_strategy_job(tmp_path, chief_prefix=()):
+    """1 PS (profiled), 2 workers (under ``tfoverlap run``, which loads the plugin) and the
+    example's coordinator; returns (losses, PS read events, coordinator's stderr)."""
+    from tfoverlap.costs.trace import profiled_op_starts
+    chief, ps, worker0, worker1 = (f"localhost:{p}" for p in _free_ports(4))
+    hosts = ["--chief_host", chief, "--ps_hosts", ps, "--worker_hosts", f"{worker0},{worker1}"]
+    cluster = json.dumps({"chief": [chief], "ps": [ps], "worker": [worker0, worker1]})
+    capture = tmp_path / "capture"
+    capture.mkdir(parents=True)
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    quiet = dict(env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tasks = [subprocess.Popen([sys.executable, PROFILED_SERVER, cluster, "ps", "0",
+                               str(capture)], **quiet)]
+    tasks += [subprocess.Popen([sys.executable, "-m", "tfoverlap", "run", "--", sys.executable,
+                                PS_STRATEGY_EXAMPLE, "--job", "worker", "--task", str(t), *hosts],
+                               **quiet) for t in (0, 1)]
     try:
-        launcher._say_when_unsupported()
-
-        class NotAStrategy:
-            _cluster_coordinator = None
-
-        for _ in range(2):
-            with pytest.raises(ValueError, match="ParameterServerStrategy"):
-                cluster_coordinator.ClusterCoordinator(NotAStrategy())
+        result = subprocess.run([*chief_prefix, sys.executable, PS_STRATEGY_EXAMPLE,
+                                 "--job", "chief", "--join_every_step", "--steps", "6", *hosts],
+                                capture_output=True, text=True, timeout=300, cwd=ROOT,
+                                env=environment)
+        (capture / "stop").touch()
+        for _ in range(300):
+            if (capture / "done").exists():
+                break
+            time.sleep(0.1)
     finally:
-        cluster_coordinator.ClusterCoordinator.__init__ = original
-    lines = [r.getMessage() for r in caplog.records if "ClusterCoordinator" in r.getMessage()]
-    assert lines == [launcher.UNSUPPORTED_COORDINATOR]
+        for task in tasks:
+            task.kill()
+            task.wait()
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = json.loads(result.stdout.strip().splitlines()[-1])["losses"]
+    (xspace,) = glob.glob(str(capture / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    reads = [f"MatMul{suffix}/ReadVariableOp" for suffix in [""] + [f"_{i}" for i in range(1, 12)]]
+    return losses, profiled_op_starts(xspace, reads), result.stderr
+
+
+def test_a_ps_strategy_job_has_its_transfers_ordered_by_the_workers(tmp_path):
+    """ParameterServerStrategy: the coordinator's option reaches the workers, whose Grappler
+    orders each scheduled step's PS reads; the PS runs them in the planned order, every
+    step, and the losses are the default's."""
+    baseline, default_reads, _ = _ps_strategy_job(tmp_path / "default")
+    reports = tmp_path / "reports"
+    run = [sys.executable, "-m", "tfoverlap", "run", "--schedule", "tic", "--credit", "0",
+           "--window", "1", "--force", "true", "--report-dir", str(reports), "--"]
+    losses, reads, stderr = _ps_strategy_job(tmp_path / "ordered", chief_prefix=run)
+    assert len(baseline) == 6 and losses == baseline
+    planned = _planned_order(reports)
+    assert sorted(planned) == sorted({name for name, _ in default_reads}) and len(planned) == 12
+    assert len(reads) == len(default_reads) == 6 * 12, (len(reads), len(default_reads))
+    steps = [[name for name, _ in reads[k:k + 12]] for k in range(0, len(reads), 12)]
+    assert all(step == planned for step in steps), (planned, steps)
+    default_steps = [[name for name, _ in default_reads[k:k + 12]]
+                     for k in range(0, len(default_reads), 12)]
+    assert any(step != planned for step in default_steps), "the default already in order"
+    assert stderr.count("optimized by the worker tasks") == 1, stderr[-2000:]
+    summary = [line for line in stderr.splitlines() if line.startswith("tfoverlap [")]
+    assert len(summary) == 1 and "dispatched 6 ClusterCoordinator closures" in summary[0]

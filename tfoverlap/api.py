@@ -14,7 +14,8 @@ from typing import Iterable
 
 from tfoverlap.integrations.grappler import OPTIMIZER_NAME, load
 from tfoverlap.integrations.link_probe import install_session_hook
-from tfoverlap.integrations.tf_function import get_function_config, set_function_config
+from tfoverlap.integrations.tf_function import (carry_config_to_coordinator, get_function_config,
+                                                set_function_config)
 from tfoverlap.options import parse_options
 from tfoverlap.passes.base import PassContext
 from tfoverlap.passes.pipeline import run_pipeline
@@ -120,13 +121,15 @@ def rewriter_config_text(**options) -> str:
 
 
 def enable_for_tf_function(**options):
-    """Turns TfOverlap on for tf.function graphs first called from this thread afterwards.
+    """Turns TfOverlap on for tf.function graphs first called from this thread afterwards,
+    and for the functions this thread schedules on a ``ClusterCoordinator``.
 
     TensorFlow has no public API for a tf.function's Grappler config; this sets the eager
     context's function-call options (per thread). Returns the previous config, which
     :func:`tfoverlap.integrations.tf_function.set_function_config` restores.
     """
     load()
+    carry_config_to_coordinator()
     previous = get_function_config()
     set_function_config(_add_optimizer(previous, options))
     return previous

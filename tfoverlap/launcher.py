@@ -136,7 +136,6 @@ def _on_tensorflow(options: dict) -> None:
 
         session_module.Session.__init__ = __init__
         enable_for_tf_function(**options)
-        _say_when_unsupported()
     except Exception as error:  # noqa: BLE001 - the program must run anyway
         print(f"tfoverlap: could not switch TfOverlap on ({type(error).__name__}: {error}); "
               "running without it", file=sys.stderr)
@@ -144,28 +143,9 @@ def _on_tensorflow(options: dict) -> None:
     atexit.register(lambda: print(summary_line(), file=sys.stderr, flush=True))
 
 
-UNSUPPORTED_COORDINATOR = (
-    "tfoverlap: functions that a ParameterServerStrategy ClusterCoordinator schedules are not "
-    "optimized (its workers instantiate them without TfOverlap); TF1 sessions and "
-    "tf.functions run in this process are")
-
-
-def _say_when_unsupported() -> None:
-    """One line when the program creates a ClusterCoordinator, whose scheduled functions
-    the pass does not reach (yet)."""
-    from tensorflow.python.distribute.coordinator import cluster_coordinator
-    from tfoverlap.log import warn_once
-    original = cluster_coordinator.ClusterCoordinator.__init__
-
-    def __init__(self, *args, **kwargs):
-        warn_once(UNSUPPORTED_COORDINATOR)
-        original(self, *args, **kwargs)
-
-    cluster_coordinator.ClusterCoordinator.__init__ = __init__
-
-
 def summary_line() -> str:
     """One line: what the passes of this process did (from its recent reports)."""
+    from tfoverlap.integrations.tf_function import coordinator_dispatches
     from tfoverlap.passes.base import recent_reports
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     ordered, planned, declined, failed = {}, {}, [], 0
@@ -187,6 +167,9 @@ def summary_line() -> str:
                      f"{len(planned)} graphs")
     if declined:
         parts.append(f"left {len(declined)} graphs unchanged ({declined[-1]})")
+    if coordinator_dispatches():
+        parts.append(f"dispatched {coordinator_dispatches()} ClusterCoordinator closures to "
+                     "workers, whose Grappler optimizes them (their reports are there)")
     if failed:
         parts.append(f"{failed} rewrites failed and were rolled back (see the warnings)")
     if not parts:

@@ -31,10 +31,12 @@ BANDWIDTH = os.environ.get("CARAMEL_TEST_RANK1_BANDWIDTH") if hvd.rank() == 1 el
 # By default a fast compute estimate: communication is the bottleneck, so the backward pass
 # is ordered; a slow one (CARAMEL_TEST_FLOPS=2e8) spreads the gradients over several buckets.
 # force: these jobs check the plan Caramel enforces, even where it predicts no gain.
-# CARAMEL_TEST_CHAIN: the bucket_chain option ("finished" makes the order strict).
+# CARAMEL_TEST_CHAIN: the bucket_chain option ("finished" makes the order strict);
+# CARAMEL_TEST_BUCKET_BYTES: the bucket_bytes option.
 OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6, force=True,
                flops=float(os.environ.get("CARAMEL_TEST_FLOPS", 1e11)),
-               bucket_chain=os.environ.get("CARAMEL_TEST_CHAIN", "issued"))
+               bucket_chain=os.environ.get("CARAMEL_TEST_CHAIN", "issued"),
+               bucket_bytes=float(os.environ.get("CARAMEL_TEST_BUCKET_BYTES", 4 * 2 ** 20)))
 tfo_hvd.configure(**OPTIONS)
 PARALLEL = os.environ.get("CARAMEL_TEST_MODEL") == "parallel"
 CONTROL_FLOW = os.environ.get("CARAMEL_TEST_MODEL") == "control_flow"

@@ -99,7 +99,7 @@ def _op_work(graph_def) -> tuple[dict, dict, dict]:
         import horovod.tensorflow  # noqa: F401 - registers the Horovod op types
     scratch = tf.Graph()
     with scratch.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
+        tf.graph_util.import_graph_def(_importable(graph_def), name="")
     op_flops, op_bytes, sizes = {}, {}, {}
     for op in scratch.get_operations():
         output_bytes = 0
@@ -117,3 +117,32 @@ def _op_work(graph_def) -> tuple[dict, dict, dict]:
             op_flops[op.name] = flops
         op_bytes[op.name] = output_bytes
     return op_flops, op_bytes, sizes
+
+
+def _importable(graph_def):
+    """A copy of ``graph_def`` that imports into a scratch graph with as many static shapes
+    as TensorFlow can infer:
+
+    - a tf.function's resource argument that carries its variable's dtype and shape
+      (``_handle_dtypes``/``_handle_shapes``) becomes a ``VarHandleOp`` of that dtype and
+      shape, so that the reads, and everything computed from them, have shapes;
+    - colocation constraints are dropped (they can name nodes outside a function's graph,
+      which import rejects, and costs do not depend on them).
+    """
+    from tensorflow.core.framework import graph_pb2
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    for node in copy.node:
+        if "_class" in node.attr:
+            del node.attr["_class"]
+        if (node.op == "_Arg" and len(node.attr["_handle_dtypes"].list.type) == 1
+                and len(node.attr["_handle_shapes"].list.shape) == 1):
+            dtype = node.attr["_handle_dtypes"].list.type[0]
+            shape = type(node.attr["_handle_shapes"].list.shape[0])()
+            shape.CopyFrom(node.attr["_handle_shapes"].list.shape[0])
+            node.op = "VarHandleOp"
+            node.ClearField("attr")
+            node.attr["dtype"].type = dtype
+            node.attr["shape"].shape.CopyFrom(shape)
+            node.attr["shared_name"].s = node.name.encode()
+    return copy

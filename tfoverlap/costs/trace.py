@@ -3,6 +3,10 @@
 In distributed runs the receiving device's step stats hold one ``RecvTensor`` event per
 transfer, labelled "[1.0MB] [3.5Gb/s] edge_9_<source node> from <device> to <device>".
 These are the *observed* transfers that tests and benchmarks check orders against.
+
+TF2 functions run by remote tasks (``ParameterServerStrategy``) leave no step stats at the
+caller; there a task's own profiler capture (``*.xplane.pb``, written by
+``tf.profiler.experimental``) shows when each of its ops ran: :func:`profiled_op_starts`.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import re
 from tfoverlap.graph.devices import DeviceMatcher
 
 __all__ = ["RecvEvent", "recv_events", "observed_transfer_order", "op_durations",
-           "op_start_order", "step_timeline", "device_filter"]
+           "op_start_order", "step_timeline", "device_filter", "profiled_op_starts"]
 
 _RECV_LABEL = re.compile(
     r"\[(?P<size>[0-9.]+)(?P<unit>[KMG]?B)\].*?edge_\d+_(?P<source>\S+?)(?::\d+)? from "
@@ -124,3 +128,25 @@ def step_timeline(run_metadata, devices: str = "") -> dict:
     for event in compute + transfers:
         event[1] -= origin
     return {"compute": compute, "transfers": transfers}
+
+
+def profiled_op_starts(xspace_path: str, names) -> list[tuple[str, int]]:
+    """(node name, start in ns) of every run of a node in ``names`` that a profiler capture
+    (an XSpace file, ``*.xplane.pb``) recorded on its host threads, by start time.
+
+    Each op run is one event named "node name:op type".
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    space = xplane_pb2.XSpace()
+    with open(xspace_path, "rb") as stream:
+        space.ParseFromString(stream.read())
+    wanted = set(names)
+    starts = []
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                node = plane.event_metadata[event.metadata_id].name.rsplit(":", 1)[0]
+                if node in wanted:
+                    starts.append((node, line.timestamp_ns + event.offset_ps // 1000))
+    starts.sort(key=lambda start: (start[1], start[0]))
+    return starts

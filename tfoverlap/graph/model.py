@@ -250,7 +250,8 @@ def tensor_bytes(graph_def, model: GraphModel, node: int, slot: int = 0) -> int 
     """Static size of output ``slot`` of ``node`` in bytes, or None if unknown.
 
     Uses ``_output_shapes`` when present, else follows Identity/ReadVariableOp back to the
-    variable whose ``shape`` and ``dtype`` attrs give the size.
+    variable whose ``shape`` and ``dtype`` attrs give the size, or, in a tf.function's
+    graph, to the resource argument whose handle data (``_handle_shapes``) give it.
     """
     for _ in range(8):
         node_def = graph_def.node[node]
@@ -266,6 +267,12 @@ def tensor_bytes(graph_def, model: GraphModel, node: int, slot: int = 0) -> int 
             elements = _shape_elements(attrs["shape"].shape)
             return None if elements is None or dtype not in _DTYPE_BYTES else (
                 elements * _DTYPE_BYTES[dtype])
+        if node_def.op == "_Arg" and "_handle_shapes" in attrs and "_handle_dtypes" in attrs:
+            shapes, dtypes = attrs["_handle_shapes"].list.shape, attrs["_handle_dtypes"].list.type
+            if len(shapes) != 1 or len(dtypes) != 1 or dtypes[0] not in _DTYPE_BYTES:
+                return None
+            elements = _shape_elements(shapes[0])
+            return None if elements is None else elements * _DTYPE_BYTES[dtypes[0]]
         if node_def.op in _PASS_THROUGH_OPS and model.data_inputs[node]:
             node, slot = model.data_inputs[node][0]
             continue
