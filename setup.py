@@ -1,8 +1,9 @@
 """Build and install tfoverlap.
 
-The only compiled part is the Grappler shim in native/. It is built against the
-TensorFlow that is installed in the build environment (its bundled headers and its own
-compile and link flags), so the package must be built with --no-build-isolation.
+The compiled parts are in native/: the Grappler shim and the emulated-accelerator kernel.
+They are built against the TensorFlow that is installed in the build environment (its
+bundled headers and its own compile and link flags), so the package must be built with
+--no-build-isolation.
 """
 import os
 import subprocess
@@ -13,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 
 class BuildAgainstInstalledTensorFlow(build_ext):
-    """Compiles the Grappler shim with tf.sysconfig's flags instead of Python's."""
+    """Compiles the native libraries with tf.sysconfig's flags instead of Python's."""
 
     def build_extension(self, ext):
         try:
@@ -43,7 +44,9 @@ setup(
     package_data={"tfoverlap.testbed": ["mpi_rsh_agent.sh"],
                   "tfoverlap": ["boot/sitecustomize.py"]},
     ext_modules=[Extension("tfoverlap._tfoverlap_optimizer",
-                           sources=["native/tfoverlap_optimizer.cc"])],
+                           sources=["native/tfoverlap_optimizer.cc"]),
+                 Extension("tfoverlap._tfoverlap_emulated",
+                           sources=["native/emulated_compute.cc"])],
     cmdclass={"build_ext": BuildAgainstInstalledTensorFlow},
     install_requires=["numpy", "absl-py"],
     entry_points={"console_scripts": ["tfoverlap = tfoverlap.cli:main"]},

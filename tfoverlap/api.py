@@ -12,6 +12,7 @@ import contextlib
 import os
 from typing import Iterable
 
+from tfoverlap.integrations.emulated_kernel import load_emulated_ops
 from tfoverlap.integrations.grappler import OPTIMIZER_NAME, load
 from tfoverlap.integrations.link_probe import install_session_hook
 from tfoverlap.integrations.tf_function import (carry_config_to_coordinator, get_function_config,
@@ -38,6 +39,8 @@ def optimize(graph_def, *, fetch: Iterable[str] = (), feed: Iterable[str] = (),
     """
     context = PassContext(options=parse_options(options), fetch=tuple(fetch),
                           feed=tuple(feed), keep=tuple(keep), source="offline")
+    if context.options.emulate:
+        load_emulated_ops()   # its result holds emulated kernels: they must be registered
     return run_pipeline(graph_def, context)
 
 

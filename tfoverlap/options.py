@@ -11,6 +11,7 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
+from tfoverlap.costs.accelerators import DEVICE_MODELS, load_device_model
 from tfoverlap.costs.profile import load_profile
 from tfoverlap.graph.devices import parse_device_spec
 
@@ -86,6 +87,15 @@ class Options:
                  a session it becomes an optimizer error status that TensorFlow logs before
                  running the unoptimized graph (tests).
     report_dir:  if set, every run writes its report there as JSON.
+    emulate:     "" (off), a device model ("v100", "a100", "h100") or a device file (JSON):
+                 the workers' heavy compute ops become emulated-accelerator kernels that
+                 take that device's time without using the host CPU (benchmarks; the
+                 results of such a graph are zeros). Runs after TicTac and Caramel.
+    dilation:    emulated durations are multiplied by this (>= 1); the testbed divides
+                 link rates by the same factor, so that the host's own work is small
+                 against the emulated step.
+    emulate_streams: emulated kernels of a device run one at a time on each of this many
+                 streams, in issue order.
     """
 
     schedule: str = "tic"
@@ -109,6 +119,9 @@ class Options:
     cycle_ms: float = 0.0
     strict: bool = False
     report_dir: str = ""
+    emulate: str = ""
+    dilation: float = 1.0
+    emulate_streams: int = 1
 
 
 OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
@@ -249,10 +262,16 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
                       "non-negative")
             if value < 0 or (lowest == "positive" and value == 0):
                 raise ValueError(f"option {name!r} must be {lowest}, got {value}")
-        elif name == "window":
+        elif name in ("window", "emulate_streams"):
             value = _as_int(name, value)
             if value < 1:
-                raise ValueError(f"option 'window' must be at least 1, got {value}")
+                raise ValueError(f"option {name!r} must be at least 1, got {value}")
+        elif name == "dilation":
+            value = _as_float(name, value)
+            if value < 1:
+                raise ValueError(f"option 'dilation' must be at least 1, got {value}")
+        elif name == "emulate":
+            value = "" if value is None else str(value).strip()
         elif name == "ps_devices":
             value = _validate_ps_devices(str(value))
         elif name in ("profile", "report_dir"):
@@ -271,4 +290,7 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
     options = Options(**parsed)
     if check_files and options.profile:
         load_profile(options.profile)
+    if options.emulate and (check_files or options.emulate.lower() in DEVICE_MODELS
+                            or not options.emulate.lower().endswith(".json")):
+        load_device_model(options.emulate)
     return options

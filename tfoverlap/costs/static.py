@@ -14,7 +14,7 @@ import hashlib
 import logging
 import threading
 
-__all__ = ["StaticCosts", "static_costs"]
+__all__ = ["StaticCosts", "OpShapes", "static_costs"]
 
 logger = logging.getLogger("tfoverlap")
 
@@ -23,9 +23,22 @@ OP_OVERHEAD_SECONDS = 2e-6         # the executor's cost of scheduling any op
 
 
 @dataclasses.dataclass(frozen=True)
+class OpShapes:
+    """What shape inference knows of one op."""
+    input_dtypes: tuple       # DataType enums of the data inputs (ref types as such)
+    input_shapes: tuple       # per data input: a tuple of dims, or None where not static
+    output_dtypes: tuple
+    output_shapes: tuple      # per output: a tuple of dims, or None where not static
+    input_bytes: int | None   # all data inputs, None if any is not static
+    flops: int | None         # TensorFlow's registered FLOP count, where it has one
+    stateful: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class StaticCosts:
     op_seconds: dict          # node name -> estimated seconds
     tensor_bytes: dict        # "node:slot" -> bytes, where the static shape is known
+    ops: dict = dataclasses.field(default_factory=dict)   # node name -> OpShapes
 
 
 def _output_bytes(tensor) -> int | None:
@@ -37,6 +50,11 @@ def _output_bytes(tensor) -> int | None:
     except (AttributeError, TypeError):
         return None
     return int(shape.num_elements()) * itemsize
+
+
+def _static_dims(tensor) -> tuple | None:
+    shape = tensor.shape
+    return tuple(shape.as_list()) if shape.is_fully_defined() else None
 
 
 def static_costs(graph_def, flops_per_second: float) -> StaticCosts:
@@ -59,14 +77,14 @@ def static_costs(graph_def, flops_per_second: float) -> StaticCosts:
             _cache[key] = work
             while len(_cache) > _CACHE_SIZE:
                 _cache.pop(next(iter(_cache)))
-    op_flops, op_bytes, sizes = work
+    op_flops, op_bytes, sizes, ops = work
     op_seconds = {}
     for name, output_bytes in op_bytes.items():
         flops = op_flops.get(name)
         seconds = (flops / flops_per_second if flops else
                    output_bytes / MEMORY_BYTES_PER_SECOND)
         op_seconds[name] = OP_OVERHEAD_SECONDS + seconds
-    return StaticCosts(op_seconds, dict(sizes))
+    return StaticCosts(op_seconds, dict(sizes), ops)
 
 
 _CACHE_SIZE = 4
@@ -89,8 +107,9 @@ def _fingerprint(graph_def) -> str:
     return digest.hexdigest()
 
 
-def _op_work(graph_def) -> tuple[dict, dict, dict]:
-    """(node -> FLOPs where TensorFlow counts them, node -> output bytes, known sizes)."""
+def _op_work(graph_def) -> tuple[dict, dict, dict, dict]:
+    """(node -> FLOPs where TensorFlow counts them, node -> output bytes, known sizes,
+    node -> OpShapes)."""
     import tensorflow as tf
     from tensorflow.python.framework import ops as tf_ops
     from tensorflow.python.util import deprecation
@@ -100,7 +119,7 @@ def _op_work(graph_def) -> tuple[dict, dict, dict]:
     scratch = tf.Graph()
     with scratch.as_default():
         tf.graph_util.import_graph_def(_importable(graph_def), name="")
-    op_flops, op_bytes, sizes = {}, {}, {}
+    op_flops, op_bytes, sizes, ops = {}, {}, {}, {}
     for op in scratch.get_operations():
         output_bytes = 0
         for slot, tensor in enumerate(op.outputs):
@@ -116,7 +135,15 @@ def _op_work(graph_def) -> tuple[dict, dict, dict]:
         if flops:
             op_flops[op.name] = flops
         op_bytes[op.name] = output_bytes
-    return op_flops, op_bytes, sizes
+        input_sizes = [_output_bytes(tensor) for tensor in op.inputs]
+        ops[op.name] = OpShapes(
+            input_dtypes=tuple(tensor.dtype.as_datatype_enum for tensor in op.inputs),
+            input_shapes=tuple(_static_dims(tensor) for tensor in op.inputs),
+            output_dtypes=tuple(tensor.dtype.as_datatype_enum for tensor in op.outputs),
+            output_shapes=tuple(_static_dims(tensor) for tensor in op.outputs),
+            input_bytes=None if None in input_sizes else sum(input_sizes),
+            flops=flops or None, stateful=bool(op.op_def.is_stateful))
+    return op_flops, op_bytes, sizes, ops
 
 
 def _importable(graph_def):

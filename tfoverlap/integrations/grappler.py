@@ -18,6 +18,7 @@ import sysconfig
 import threading
 import time
 
+from tfoverlap.integrations.emulated_kernel import load_emulated_ops
 from tfoverlap.log import warn_once
 from tfoverlap.options import parse_options
 from tfoverlap.passes.base import REPORTS, PassContext, PassFailure
@@ -67,6 +68,7 @@ def load() -> None:
         _entry_point = _ENTRY_POINT_TYPE(_grappler_entry_point)
         library.tfoverlap_set_entry_point(_entry_point)
         _library = library
+    load_emulated_ops()
 
 
 def _parse_item(text: str) -> dict[str, list[str]]:

@@ -15,6 +15,7 @@ from tfoverlap.log import logger
 from tfoverlap.options import Options
 from tfoverlap.passes.base import PassContext, PassFailure, PassReport, PassResult, Report
 from tfoverlap.passes.caramel import caramel_pass
+from tfoverlap.passes.emulate import emulate_pass
 from tfoverlap.passes.tictac import tictac_pass
 
 __all__ = ["select_passes", "run_pipeline"]
@@ -30,6 +31,8 @@ def select_passes(options: Options) -> list[tuple[str, Pass]]:
         passes.append(("tictac", tictac_pass))
     if options.allreduce == "caramel":
         passes.append(("caramel", caramel_pass))
+    if options.emulate:
+        passes.append(("emulate", emulate_pass))   # last: the others plan on real ops
     return passes
 
 

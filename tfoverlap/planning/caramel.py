@@ -21,6 +21,7 @@ from tfoverlap.costs.profile import load_profile
 from tfoverlap.costs.static import OP_OVERHEAD_SECONDS, static_costs
 from tfoverlap.graph.frames import analysed
 from tfoverlap.graph.model import GraphModel, is_variable_op, tensor_bytes
+from tfoverlap.planning.emulation import emulated_op_seconds
 from tfoverlap.log import warn_once
 from tfoverlap.options import link_bandwidth
 from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR
@@ -321,6 +322,9 @@ def _op_costs(graph_def, options) -> tuple[dict, dict, str]:
     if estimate is None:
         return ({node.name: OP_OVERHEAD_SECONDS for node in graph_def.node}, sizes,
                 "unit costs")
+    emulated, described = emulated_op_seconds(graph_def, options)
+    if emulated:
+        return {**estimate.op_seconds, **emulated}, sizes, f"static estimate, {described}"
     return estimate.op_seconds, sizes, "static estimate"
 
 

@@ -22,6 +22,7 @@ from tfoverlap.costs.static import static_costs
 from tfoverlap.graph.devices import DeviceMatcher
 from tfoverlap.graph.frames import ControlFlow, analysed
 from tfoverlap.graph.model import GraphModel, output_dtype, tensor_bytes
+from tfoverlap.planning.emulation import emulated_op_seconds
 from tfoverlap.graph.transfers import Transfer, find_transfers
 from tfoverlap.log import warn_once
 from tfoverlap.options import DEFAULT_BANDWIDTH, Options
@@ -365,6 +366,10 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
         flops = options.flops or host_flops()
         op_seconds = static_costs(graph_def, flops).op_seconds
         figures = f"static estimates at {flops:.3g} FLOP/s"
+        emulated, described = emulated_op_seconds(graph_def, options)
+        if emulated:
+            op_seconds = {**op_seconds, **emulated}
+            figures += f", {described}"
     bandwidth, _, link_source = plan.link
     figures += f", {bandwidth * 8 / 1e9:.3g} Gbit/s {link_source}"
     devices = model.colocated_devices()

@@ -1,0 +1,195 @@
+// An emulated accelerator kernel: TfOverlapEmulatedCompute stands in for a heavy compute
+// op. It takes the original op's inputs (so every dependency stays), gives outputs of the
+// original dtypes and static shapes, and completes after the duration an accelerator would
+// take, without using the host CPU while it waits.
+//
+// Timing: kernels on one emulated stream (a device name plus the `stream` attr) run one at
+// a time in the order they were issued, as on one CUDA stream: a kernel issued at t starts
+// at max(t, the end of the stream's previous kernel) and ends `duration_us` later. One
+// timer thread per process sleeps until the earliest end and hands the kernel's `done`
+// to the device's worker threads; no thread waits per kernel and nothing spins.
+//
+// Outputs: one zero tensor per output, allocated and cleared once per kernel instance and
+// returned every step (the cache holds a reference, so no consumer writes into it).
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace tfoverlap {
+namespace {
+
+using ::tensorflow::AsyncOpKernel;
+using ::tensorflow::DataType;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::PartialTensorShape;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using Clock = std::chrono::steady_clock;
+
+REGISTER_OP("TfOverlapEmulatedCompute")
+    .Input("inputs: Tin")
+    .Output("outputs: Tout")
+    .Attr("Tin: list(type) >= 0")
+    .Attr("Tout: list(type) >= 1")
+    .Attr("output_shapes: list(shape) >= 1")
+    .Attr("duration_us: float")
+    .Attr("stream: int = 0")
+    .Attr("original_op: string = ''")
+    // Stateful: Grappler must neither fold, deduplicate nor prune it as a pure function.
+    .SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* context) {
+      std::vector<PartialTensorShape> shapes;
+      TF_RETURN_IF_ERROR(context->GetAttr("output_shapes", &shapes));
+      if (static_cast<int>(shapes.size()) != context->num_outputs()) {
+        return ::tensorflow::errors::InvalidArgument(
+            "TfOverlapEmulatedCompute: ", shapes.size(), " output_shapes for ",
+            context->num_outputs(), " outputs");
+      }
+      for (int i = 0; i < context->num_outputs(); ++i) {
+        ::tensorflow::shape_inference::ShapeHandle shape;
+        TF_RETURN_IF_ERROR(context->MakeShapeFromPartialTensorShape(shapes[i], &shape));
+        context->set_output(i, shape);
+      }
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Emulates a compute op of an accelerator: zeros of the given dtypes and shapes, "
+         "after duration_us, one kernel at a time per (device, stream), in issue order.");
+
+// The process's emulated streams and the one timer thread that completes their kernels.
+class EmulatedStreams {
+ public:
+  static EmulatedStreams& Get() {
+    static EmulatedStreams* streams = new EmulatedStreams();  // lives as long as the process
+    return *streams;
+  }
+
+  // Queues a kernel of `duration` on `stream`; `on_end` runs on the timer thread when it
+  // ends and must only hand work elsewhere.
+  void Issue(const std::string& stream, std::chrono::nanoseconds duration,
+             std::function<void()> on_end) {
+    const Clock::time_point now = Clock::now();
+    std::lock_guard<std::mutex> lock(mutex_);
+    Clock::time_point& busy_until = busy_until_[stream];
+    const Clock::time_point end = std::max(now, busy_until) + duration;
+    busy_until = end;
+    const bool earliest = ends_.empty() || end < ends_.begin()->first;
+    ends_.emplace(end, std::move(on_end));
+    if (earliest) wake_.notify_one();
+  }
+
+ private:
+  EmulatedStreams() : timer_([this] { Run(); }) { timer_.detach(); }
+
+  void Run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      if (ends_.empty()) {
+        wake_.wait(lock);
+        continue;
+      }
+      const Clock::time_point next = ends_.begin()->first;
+      if (Clock::now() < next) {
+        wake_.wait_until(lock, next);
+        continue;
+      }
+      std::function<void()> on_end = std::move(ends_.begin()->second);
+      ends_.erase(ends_.begin());
+      lock.unlock();
+      on_end();
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::unordered_map<std::string, Clock::time_point> busy_until_;
+  std::multimap<Clock::time_point, std::function<void()>> ends_;
+  std::thread timer_;
+};
+
+class EmulatedComputeOp : public AsyncOpKernel {
+ public:
+  explicit EmulatedComputeOp(OpKernelConstruction* context) : AsyncOpKernel(context) {
+    std::vector<PartialTensorShape> shapes;
+    OP_REQUIRES_OK(context, context->GetAttr("Tout", &dtypes_));
+    OP_REQUIRES_OK(context, context->GetAttr("output_shapes", &shapes));
+    OP_REQUIRES(context, shapes.size() == dtypes_.size(),
+                ::tensorflow::errors::InvalidArgument(
+                    "TfOverlapEmulatedCompute: ", shapes.size(), " output_shapes for ",
+                    dtypes_.size(), " outputs"));
+    for (const PartialTensorShape& partial : shapes) {
+      TensorShape shape;
+      OP_REQUIRES(context, partial.AsTensorShape(&shape),
+                  ::tensorflow::errors::InvalidArgument(
+                      "TfOverlapEmulatedCompute needs static output shapes, got ",
+                      partial.DebugString()));
+      shapes_.push_back(shape);
+    }
+    float duration_us = 0;
+    OP_REQUIRES_OK(context, context->GetAttr("duration_us", &duration_us));
+    OP_REQUIRES(context, duration_us >= 0,
+                ::tensorflow::errors::InvalidArgument(
+                    "TfOverlapEmulatedCompute: duration_us must be >= 0, got ", duration_us));
+    duration_ = std::chrono::nanoseconds(static_cast<int64_t>(duration_us * 1000.0));
+    int64_t stream = 0;
+    OP_REQUIRES_OK(context, context->GetAttr("stream", &stream));
+    stream_ = context->device()->name() + "/stream:" + std::to_string(stream);
+  }
+
+  void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
+    {
+      std::lock_guard<std::mutex> lock(zeros_mutex_);
+      if (zeros_.empty()) {
+        for (size_t i = 0; i < dtypes_.size(); ++i) {
+          Tensor zero;
+          Status status = context->allocate_temp(dtypes_[i], shapes_[i], &zero);
+          if (!status.ok()) {
+            zeros_.clear();
+            context->SetStatus(status);
+            done();
+            return;
+          }
+          auto bytes = zero.tensor_data();
+          if (!bytes.empty()) std::memset(const_cast<char*>(bytes.data()), 0, bytes.size());
+          zeros_.push_back(zero);
+        }
+      }
+      for (size_t i = 0; i < zeros_.size(); ++i) context->set_output(i, zeros_[i]);
+    }
+    auto* workers = context->device()->tensorflow_cpu_worker_threads()->workers;
+    EmulatedStreams::Get().Issue(stream_, duration_, [workers, done = std::move(done)]() {
+      workers->Schedule(done);
+    });
+  }
+
+ private:
+  std::vector<DataType> dtypes_;
+  std::vector<TensorShape> shapes_;
+  std::chrono::nanoseconds duration_{0};
+  std::string stream_;
+  std::mutex zeros_mutex_;
+  std::vector<Tensor> zeros_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfOverlapEmulatedCompute").Device(::tensorflow::DEVICE_CPU),
+                        EmulatedComputeOp);
+
+}  // namespace
+}  // namespace tfoverlap

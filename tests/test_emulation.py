@@ -1,0 +1,231 @@
+"""Emulated accelerators: the kernel (shapes, dtypes, stream semantics, no CPU while it
+waits) and the emulate pass (what it replaces, what stays real, its report, bad input).
+
+Wall-time accuracy against the requested durations is measured by
+scripts/bench_emulated_kernel.py, not here; these tests check orderings and overlaps with
+margins far above timer noise.
+"""
+import json
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfoverlap
+from tfoverlap.costs.accelerators import DEVICE_MODELS, load_device_model
+from tfoverlap.graph.verify import verify_graph_def
+from tfoverlap.integrations.emulated_kernel import load_emulated_ops
+from tfoverlap.rewriters.emulated_ops import EMULATED_OP
+from tfoverlap.testbed.models import build_model, control_flow_model
+
+from helpers import run_python
+
+WORKER = "/job:worker/task:0"
+
+
+def _emulated(inputs, dtypes, shapes, milliseconds, stream=0, name=None):
+    return load_emulated_ops().tf_overlap_emulated_compute(
+        inputs, Tout=dtypes, output_shapes=shapes, duration_us=milliseconds * 1e3,
+        stream=stream, name=name)
+
+
+def _graph_session():
+    graph = tf.Graph()
+    return graph, tf.compat.v1.Session(graph=graph)
+
+
+def test_outputs_are_zeros_of_the_given_dtypes_and_static_shapes():
+    graph, session = _graph_session()
+    with graph.as_default():
+        x = tf.constant(np.ones((4, 8), np.float32))
+        outputs = _emulated([x, tf.constant(3)], [tf.float32, tf.int32, tf.float16],
+                            [[4, 8], [3], [2, 0, 5]], 1)
+        assert [o.shape.as_list() for o in outputs] == [[4, 8], [3], [2, 0, 5]]
+    with session:
+        for _ in range(2):   # the second step returns the cached tensors
+            values = session.run(outputs)
+            assert [v.dtype for v in values] == [np.float32, np.int32, np.float16]
+            assert [v.shape for v in values] == [(4, 8), (3,), (2, 0, 5)]
+            assert all(not v.any() for v in values)
+
+
+def test_bad_attributes_are_clear_errors():
+    graph, session = _graph_session()
+    with graph.as_default():
+        with pytest.raises(ValueError, match="output_shapes"):
+            _emulated([], [tf.float32, tf.float32], [[1]], 1)
+        unknown = _emulated([], [tf.float32], [[None, 2]], 1)
+        negative = _emulated([], [tf.float32], [[1]], -1)
+    with session:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="static output shapes"):
+            session.run(unknown)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="duration_us must be >= 0"):
+            session.run(negative)
+
+
+def _timed(session, fetches, repeat=3):
+    session.run(fetches)
+    start = time.perf_counter()
+    cpu = time.process_time()
+    for _ in range(repeat):
+        session.run(fetches)
+    return (time.perf_counter() - start) / repeat, (time.process_time() - cpu) / repeat
+
+
+def test_one_stream_runs_kernels_one_at_a_time_and_two_streams_overlap():
+    """Four independent 60 ms kernels: one stream takes their sum, two streams half of it;
+    the process spends almost no CPU while they wait."""
+    graph, session = _graph_session()
+    with graph.as_default():
+        x = tf.constant(1.0)
+        same = [_emulated([x], [tf.float32], [[]], 60)[0] for _ in range(4)]
+        split = [_emulated([x], [tf.float32], [[]], 60, stream=k % 2)[0] for k in range(4)]
+    with session:
+        one_stream, one_cpu = _timed(session, same)
+        two_streams, _ = _timed(session, split)
+    assert 0.22 < one_stream < 0.40, one_stream
+    assert 0.11 < two_streams < 0.20, two_streams
+    assert one_cpu < 0.25 * one_stream, (one_cpu, one_stream)
+
+
+def test_a_stream_completes_kernels_in_issue_order():
+    """A long kernel (150 ms) and, on its own stream, a 30 ms gate start together; two
+    short kernels issued when the gate ends must, on the long kernel's stream, wait for it
+    (a CUDA stream's semantics), and on a third stream not."""
+    graph, session = _graph_session()
+    with graph.as_default():
+        x = tf.constant(1.0)
+        long = _emulated([x], [tf.float32], [[]], 150, name="long")[0]
+        gate = _emulated([x], [tf.float32], [[]], 30, stream=2, name="gate")[0]
+        short_same = _emulated([gate], [tf.float32], [[]], 1, name="short_same")[0]
+        short_other = _emulated([gate], [tf.float32], [[]], 1, stream=1,
+                                name="short_other")[0]
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    with session:
+        session.run([long, short_same, short_other])
+        metadata = tf.compat.v1.RunMetadata()
+        session.run([long, short_same, short_other], options=options, run_metadata=metadata)
+    ends = {n.node_name: n.all_start_micros + n.all_end_rel_micros
+            for d in metadata.step_stats.dev_stats for n in d.node_stats}
+    assert ends["short_same"] >= ends["long"], ends
+    assert ends["short_other"] < ends["long"] - 100_000, ends
+
+
+def _ps_resnet(training=True):
+    return build_model("resnet20", batch=8, num_ps=1, worker_device=WORKER,
+                       training=training, image_size=32)
+
+
+def test_the_pass_replaces_heavy_worker_compute_and_keeps_the_rest_real():
+    model = _ps_resnet()
+    graph_def = model.graph.as_graph_def()
+    fetch = [model.loss.op.name, model.train_op.name]
+    new, report = tfoverlap.optimize(graph_def, fetch=fetch, schedule="none", emulate="v100",
+                                     dilation=10)
+    (entry,) = report.passes
+    summary = entry.summary
+    assert entry.name == "emulate" and entry.modified
+    before = {n.name: n for n in graph_def.node}
+    emulated = [n for n in new.node if n.op == EMULATED_OP]
+    assert len(emulated) == summary["emulated_ops"] > 40
+    types = summary["emulated_op_types"]
+    for op_type in ("Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput"):
+        assert types.get(op_type, 0) >= 19, types
+    for node in emulated:
+        original = before[node.name]
+        assert node.device == original.device and node.device.startswith(WORKER)
+        assert list(node.input) == list(original.input)
+        assert node.attr["original_op"].s.decode() == original.op
+        assert node.attr["duration_us"].f > 0
+    kept = {n.op for n in new.node if n.op != EMULATED_OP}
+    assert {"VarHandleOp", "ReadVariableOp", "ResourceApplyGradientDescent"} <= kept
+    assert all(before[n.name].op == n.op for n in new.node
+               if n.device.startswith("/job:ps") or n.name in fetch)
+    (milliseconds,) = summary["emulated_ms"].values()
+    assert milliseconds > 0
+    verify_graph_def(new, fetch, before=graph_def)
+    again, second = tfoverlap.optimize(new, fetch=fetch, schedule="none", emulate="v100",
+                                       dilation=10)
+    assert again is new and not second.modified
+    # Durations: the device model's, times the dilation.
+    durations = {n.name: n.attr["duration_us"].f for n in emulated}
+    faster, _ = tfoverlap.optimize(graph_def, fetch=fetch, schedule="none", emulate="h100",
+                                   dilation=10)
+    assert sum(n.attr["duration_us"].f for n in faster.node if n.op == EMULATED_OP) < sum(
+        durations.values())
+
+
+def test_the_pass_runs_after_tictac_which_plans_on_the_original_graph():
+    model = _ps_resnet(training=False)
+    graph_def = model.graph.as_graph_def()
+    fetch = [model.loss.op.name]
+    ordered, plain = tfoverlap.optimize(graph_def, fetch=fetch, schedule="tic", force=True)
+    both, report = tfoverlap.optimize(graph_def, fetch=fetch, schedule="tic", force=True,
+                                      emulate="v100")
+    assert [p.name for p in report.passes] == ["tictac", "emulate"]
+    assert report.passes[0].summary["order"] == plain.passes[0].summary["order"]
+    ordered_inputs = {n.name: list(n.input) for n in ordered.node}
+    assert all(list(n.input) == ordered_inputs[n.name] for n in both.node)
+
+
+def test_a_graph_with_control_flow_trains_emulated_without_error():
+    """LSTM (while loop), Keras batch norm with a learning-phase cond: control flow and its
+    predicates stay real, the graph runs, every step, in a session."""
+    model = control_flow_model(training=True, worker_device="/device:CPU:0",
+                               ps_device="/device:CPU:0", width=256, batch=64)
+    config = tfoverlap.session_config(schedule="none", emulate="v100", strict=True)
+    with tf.compat.v1.Session(graph=model.graph, config=config) as session:
+        session.run(model.init)
+        for step in range(3):
+            value, _ = session.run([model.loss, model.train_op],
+                                   model.feeds(step) if model.feeds else None)
+            assert np.isfinite(value)
+    report = next(r for r in reversed(tfoverlap.recent_reports())
+                  if any(p.name == "emulate" and p.modified for p in r.passes))
+    (entry,) = [p for p in report.passes if p.name == "emulate"]
+    assert entry.summary["emulated_ops"] > 0
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(emulate="t4000"), "neither a device model"),
+    (dict(emulate="v100", dilation=0.5), "'dilation' must be at least 1"),
+    (dict(emulate="v100", emulate_streams=0), "'emulate_streams' must be at least 1"),
+])
+def test_bad_emulation_options_are_clear_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        tfoverlap.session_config(**options)
+
+
+def test_device_files_override_the_model_and_bad_ones_are_named(tmp_path):
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"base": "a100", "launch_seconds": 0,
+                                    "op_seconds": {"conv": 0.002}}))
+    device = load_device_model(str(measured))
+    assert device.name == "measured" and device.op_seconds == {"conv": 0.002}
+    assert device.op_time("conv", "Conv2D", 1e12, 0) == 0.002
+    assert device.op_time("other", "Conv2D", 1e12, 0) == pytest.approx(
+        1e12 / (DEVICE_MODELS["a100"].matrix_flops * DEVICE_MODELS["a100"].matrix_efficiency))
+    for text, message in (("{", "cannot read device file"),
+                          ('{"matrix_flops": -1}', "matrix_flops must be a non-negative"),
+                          ('{"op_seconds": {"a": "x"}}', "op_seconds must map"),
+                          ('{"speed": 1}', "unknown field 'speed'")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            tfoverlap.session_config(emulate=str(bad))
+
+
+def test_a_process_without_tfoverlap_cannot_run_the_op_and_tfoverlap_load_registers_it():
+    """Servers that run emulated graphs must load tfoverlap (tfoverlap.load())."""
+    result = run_python("""
+import tensorflow as tf
+from tensorflow.core.framework import op_def_pb2
+from tensorflow.python.framework import op_def_registry
+print("before", op_def_registry.get("TfOverlapEmulatedCompute") is not None)
+import tfoverlap
+tfoverlap.load()
+print("after", op_def_registry.get("TfOverlapEmulatedCompute") is not None)
+""")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "before False" in result.stdout and "after True" in result.stdout

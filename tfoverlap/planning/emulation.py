@@ -1,0 +1,126 @@
+"""Which ops an emulated accelerator takes over, and how long each takes there.
+
+The emulation replaces the *heavy compute* of the workers: every op on a non-PS device
+whose FLOPs or bytes moved are above a threshold, with floating-point outputs of static
+shape. What stays real:
+
+- anything on a PS device (reads, updates) or colocated with another node (a variable's
+  initializer and updates);
+- stateful ops (variables and their reads and updates, Horovod's collectives, input
+  pipelines, random numbers) and ops reading resources, variants or strings;
+- control flow (Switch, Merge, Enter, Exit, NextIteration, LoopCond) and every op with a
+  non-floating output (predicates, shapes, indices);
+- feeds, fetches and kept nodes, views (Reshape, Identity ...), constants, tfoverlap's
+  own nodes, and small ops.
+
+Durations come from a :class:`~tfoverlap.costs.accelerators.DeviceModel`, times the
+dilation (see docs/benchmarks.md: the testbed divides link rates by the same factor).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tfoverlap.costs.accelerators import DeviceModel, load_device_model
+from tfoverlap.costs.static import OpShapes, static_costs
+from tfoverlap.graph.devices import DeviceMatcher
+from tfoverlap.graph.model import dtype_bytes
+from tfoverlap.rewriters.emulated_ops import EMULATED_OP, Emulation
+
+__all__ = ["EmulationPlan", "plan_emulation", "emulated_op_seconds", "MIN_FLOPS", "MIN_BYTES"]
+
+#: an op is heavy with at least this many FLOPs ...
+MIN_FLOPS = 1e6
+#: ... or this many bytes of inputs and outputs (about 10-20 µs of a host core).
+MIN_BYTES = 256 * 2 ** 10
+
+_FLOATING = frozenset({1, 2, 14, 19})            # float, double, bfloat16, half
+_OPAQUE = frozenset({7, 20, 21})                 # string, resource, variant
+_KEPT_OPS = frozenset({
+    "Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond", "RefSwitch",
+    "RefMerge", "RefEnter", "RefExit", "RefNextIteration",
+    "Placeholder", "PlaceholderWithDefault", "_Arg", "_Retval", "Const", "HostConst",
+    "Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient", "Reshape",
+    "Squeeze", "ExpandDims", "Shape", "ShapeN", "Size", "Rank", "NoOp", "ZerosLike",
+    "OnesLike", "Fill", "BroadcastTo", "_Send", "_Recv", "_HostSend", "_HostRecv",
+    EMULATED_OP})
+_OWN_PREFIX = "tfoverlap/"
+
+
+@dataclasses.dataclass
+class EmulationPlan:
+    device: DeviceModel
+    dilation: float
+    emulations: list[Emulation]
+    emulated_seconds: dict        # device -> emulated compute seconds per step (undilated)
+    original_ops: dict            # op type -> how many were replaced
+    kept_heavy: int               # heavy ops that had to stay real (no static shape ...)
+
+
+def _work(op_type: str, shapes: OpShapes) -> tuple[float, float]:
+    """(FLOPs, bytes moved) of one op; TensorFlow's FLOP statistics, else for the fused
+    ops Grappler's remapper creates a count from their shapes."""
+    moved = (shapes.input_bytes or 0) + sum(
+        math.prod(dims) * dtype_bytes(dtype)
+        for dims, dtype in zip(shapes.output_shapes, shapes.output_dtypes) if dims is not None)
+    flops = shapes.flops or 0
+    if not flops and shapes.output_shapes and shapes.output_shapes[0] is not None:
+        out = math.prod(shapes.output_shapes[0])
+        inputs = shapes.input_shapes
+        if op_type == "_FusedConv2D" and len(inputs) > 1 and inputs[1] and len(inputs[1]) == 4:
+            kernel_h, kernel_w, channels_in, _ = inputs[1]
+            flops = 2 * out * kernel_h * kernel_w * channels_in
+        elif op_type == "_FusedMatMul" and len(inputs) > 1 and inputs[0] and inputs[1] and out:
+            inner = math.sqrt(math.prod(inputs[0]) * math.prod(inputs[1]) / out)
+            flops = 2 * out * inner
+    return float(flops), float(moved)
+
+
+def _emulable(node, shapes: OpShapes | None, is_ps, preserved) -> bool:
+    if (shapes is None or node.op in _KEPT_OPS or node.name.startswith(_OWN_PREFIX)
+            or node.name in preserved or is_ps(node.device) or shapes.stateful
+            or "_class" in node.attr):
+        return False
+    if not shapes.output_dtypes or any(d not in _FLOATING for d in shapes.output_dtypes):
+        return False
+    return not any(d in _OPAQUE or d > 100 for d in shapes.input_dtypes)
+
+
+def plan_emulation(graph_def, options, preserved=()) -> EmulationPlan:
+    """The emulated kernels for ``graph_def`` under ``options.emulate`` (a device name or
+    file), ``options.dilation`` and ``options.emulate_streams``."""
+    device = load_device_model(options.emulate)
+    costs = static_costs(graph_def, 1e12)
+    is_ps = DeviceMatcher(options.ps_devices)
+    preserved = set(preserved)
+    emulations, seconds, originals, kept_heavy = [], {}, {}, 0
+    for node in graph_def.node:
+        shapes = costs.ops.get(node.name)
+        if shapes is None or node.op == EMULATED_OP:
+            continue
+        flops, moved = _work(node.op, shapes)
+        if flops < MIN_FLOPS and moved < MIN_BYTES and node.name not in device.op_seconds:
+            continue
+        if not _emulable(node, shapes, is_ps, preserved):
+            continue
+        if any(dims is None for dims in shapes.output_shapes):
+            kept_heavy += 1
+            continue
+        duration = device.op_time(node.name, node.op, flops, moved)
+        emulations.append(Emulation(
+            node.name, shapes.input_dtypes, shapes.output_dtypes, shapes.output_shapes,
+            duration * options.dilation, stream=len(emulations) % options.emulate_streams))
+        seconds[node.device] = seconds.get(node.device, 0.0) + duration
+        originals[node.op] = originals.get(node.op, 0) + 1
+    return EmulationPlan(device, options.dilation, emulations, seconds, originals, kept_heavy)
+
+
+def emulated_op_seconds(graph_def, options) -> tuple[dict, str]:
+    """(node -> seconds, a description) of the ops the emulate pass will replace, as they
+    will run (dilation applied); ({}, "") without ``options.emulate``. TicTac and Caramel
+    plan on the original graph, with these times for the ops that will be emulated."""
+    if not options.emulate:
+        return {}, ""
+    plan = plan_emulation(graph_def, options)
+    return ({emulation.node: emulation.seconds for emulation in plan.emulations},
+            f"emulated {plan.device.name} x{options.dilation:g}")
