@@ -9,8 +9,11 @@
 // timer thread per process sleeps until the earliest end and hands the kernel's `done`
 // to the device's worker threads; no thread waits per kernel and nothing spins.
 //
-// Outputs: one zero tensor per output, allocated and cleared once per kernel instance and
-// returned every step (the cache holds a reference, so no consumer writes into it).
+// Outputs: views of one zero buffer per dtype and process, as large as the largest output
+// asked for (it grows when a larger one is). Each kernel takes its views once and returns
+// them every step: no allocation and no memset per step, and memory for one output, not
+// for all of them (a model's activations would not fit 8 emulated workers in host memory).
+// The pool holds a reference to the buffer, so no consumer ever writes into it in place.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -29,6 +32,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
 
 namespace tfoverlap {
 namespace {
@@ -124,12 +128,54 @@ class EmulatedStreams {
   std::thread timer_;
 };
 
+// Process-wide zeros, one growing buffer per dtype.
+class ZeroPool {
+ public:
+  static ZeroPool& Get() {
+    static ZeroPool* pool = new ZeroPool();
+    return *pool;
+  }
+
+  // A tensor of `shape` whose buffer is all zeros and shared with other views.
+  Status View(DataType dtype, const TensorShape& shape, Tensor* view) {
+    const int64_t elements = shape.num_elements();
+    std::lock_guard<std::mutex> lock(mutex_);
+    Tensor& buffer = buffers_[dtype];
+    if (!buffer.IsInitialized() || buffer.NumElements() < std::max<int64_t>(elements, 1)) {
+      Tensor larger(dtype, TensorShape({std::max<int64_t>(elements, 1)}));
+      if (!larger.IsInitialized()) {
+        return ::tensorflow::errors::ResourceExhausted(
+            "TfOverlapEmulatedCompute: cannot allocate ", elements, " zeros of ",
+            ::tensorflow::DataTypeString(dtype));
+      }
+      auto bytes = larger.tensor_data();
+      std::memset(const_cast<char*>(bytes.data()), 0, bytes.size());
+      buffer = larger;  // views handed out before keep the old buffer alive
+    }
+    if (!view->CopyFrom(buffer.Slice(0, elements), shape)) {
+      return ::tensorflow::errors::Internal("TfOverlapEmulatedCompute: cannot view ",
+                                            elements, " zeros as ", shape.DebugString());
+    }
+    return ::tensorflow::OkStatus();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<DataType, Tensor> buffers_;
+};
+
 class EmulatedComputeOp : public AsyncOpKernel {
  public:
   explicit EmulatedComputeOp(OpKernelConstruction* context) : AsyncOpKernel(context) {
     std::vector<PartialTensorShape> shapes;
     OP_REQUIRES_OK(context, context->GetAttr("Tout", &dtypes_));
     OP_REQUIRES_OK(context, context->GetAttr("output_shapes", &shapes));
+    for (DataType dtype : dtypes_) {
+      OP_REQUIRES(context, ::tensorflow::DataTypeCanUseMemcpy(dtype),
+                  ::tensorflow::errors::InvalidArgument(
+                      "TfOverlapEmulatedCompute: outputs must be plain numbers, not ",
+                      ::tensorflow::DataTypeString(dtype)));
+    }
     OP_REQUIRES(context, shapes.size() == dtypes_.size(),
                 ::tensorflow::errors::InvalidArgument(
                     "TfOverlapEmulatedCompute: ", shapes.size(), " output_shapes for ",
@@ -159,15 +205,13 @@ class EmulatedComputeOp : public AsyncOpKernel {
       if (zeros_.empty()) {
         for (size_t i = 0; i < dtypes_.size(); ++i) {
           Tensor zero;
-          Status status = context->allocate_temp(dtypes_[i], shapes_[i], &zero);
+          Status status = ZeroPool::Get().View(dtypes_[i], shapes_[i], &zero);
           if (!status.ok()) {
             zeros_.clear();
             context->SetStatus(status);
             done();
             return;
           }
-          auto bytes = zero.tensor_data();
-          if (!bytes.empty()) std::memset(const_cast<char*>(bytes.data()), 0, bytes.size());
           zeros_.push_back(zero);
         }
       }

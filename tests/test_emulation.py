@@ -57,7 +57,10 @@ def test_bad_attributes_are_clear_errors():
             _emulated([], [tf.float32, tf.float32], [[1]], 1)
         unknown = _emulated([], [tf.float32], [[None, 2]], 1)
         negative = _emulated([], [tf.float32], [[1]], -1)
+        strings = _emulated([], [tf.string], [[1]], 1)
     with session:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="plain numbers, not string"):
+            session.run(strings)
         with pytest.raises(tf.errors.InvalidArgumentError, match="static output shapes"):
             session.run(unknown)
         with pytest.raises(tf.errors.InvalidArgumentError, match="duration_us must be >= 0"):

@@ -9,7 +9,9 @@ offline on a GraphDef.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import threading
 from typing import Iterable
 
 from tfoverlap.integrations.emulated_kernel import load_emulated_ops
@@ -22,7 +24,7 @@ from tfoverlap.passes.base import PassContext
 from tfoverlap.passes.pipeline import run_pipeline
 
 __all__ = ["merge_config", "optimize", "session_config", "rewriter_config_text",
-           "tf_function_options", "enable_for_tf_function"]
+           "tf_function_options", "enable_for_tf_function", "enable_for_sessions"]
 
 
 def optimize(graph_def, *, fetch: Iterable[str] = (), feed: Iterable[str] = (),
@@ -114,6 +116,39 @@ def merge_config(config, options: dict):
                 given = options_from_parameters(optimizer.parameter_map)
                 return _add_optimizer(config, {**options, **given})
     return _add_optimizer(config, options)
+
+
+_sessions_lock = threading.Lock()
+_session_options: dict = {}
+_sessions_hooked = False
+
+
+def enable_for_sessions(**options) -> None:
+    """Every TF1 ``Session`` created afterwards in this process gets TfOverlap with
+    ``options``, merged into the config the program passes (:func:`merge_config`: where
+    that names TfOverlap, its parameters win). For programs that cannot be given a config:
+    ``tfoverlap run``, and the Horovod wrappers' emulation in graph mode. A later call
+    replaces the options."""
+    global _sessions_hooked
+    parse_options(options)
+    load()
+    install_session_hook()
+    with _sessions_lock:
+        _session_options.clear()
+        _session_options.update(options)
+        if _sessions_hooked:
+            return
+        from tensorflow.python.client import session as session_module
+        original = session_module.Session.__init__
+
+        @functools.wraps(original)
+        def __init__(self, target="", graph=None, config=None):
+            with _sessions_lock:
+                options = dict(_session_options)
+            original(self, target, graph, merge_config(config, options))
+
+        session_module.Session.__init__ = __init__
+        _sessions_hooked = True
 
 
 def rewriter_config_text(**options) -> str:

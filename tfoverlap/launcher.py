@@ -125,16 +125,8 @@ def _on_tensorflow(options: dict) -> None:
         return
     _activated.set()
     try:
-        from tfoverlap.api import enable_for_tf_function, merge_config
-        from tfoverlap.integrations.link_probe import install_session_hook
-        from tensorflow.python.client import session as session_module
-        install_session_hook()
-        original = session_module.Session.__init__
-
-        def __init__(self, target="", graph=None, config=None):
-            original(self, target, graph, merge_config(config, options))
-
-        session_module.Session.__init__ = __init__
+        from tfoverlap.api import enable_for_sessions, enable_for_tf_function
+        enable_for_sessions(**options)
         enable_for_tf_function(**options)
     except Exception as error:  # noqa: BLE001 - the program must run anyway
         print(f"tfoverlap: could not switch TfOverlap on ({type(error).__name__}: {error}); "

@@ -14,6 +14,12 @@ Speed-ups are medians over the steps of both ranks' lock-stepped job (rank 0's c
 with 95% bootstrap intervals. Results go to CSV, Markdown, JSON and a PNG.
 
     sudo .venv/bin/python -m tfoverlap.bench.allreduce --out out/horovod
+
+``--workers N`` runs N ranks (one per emulated host). ``--emulate v100`` (a100, h100, a
+device file) puts every variant's heavy compute on emulated accelerators, with the
+dilation K that ``--dilation auto`` chooses by short calibration jobs (the host's CPUs at
+most 60% busy, :mod:`tfoverlap.bench.dilation`); links are then given in emulated units and
+shaped to 1/K of that, and times are reported in emulated seconds.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import statistics
 import sys
 
 from tfoverlap.bench.allreduce_worker import CARAMEL_VARIANTS
+from tfoverlap.bench.dilation import FIRST_DILATION, next_dilation, parse_dilation
 from tfoverlap.bench.ps import link_name
 from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
@@ -39,13 +46,17 @@ AUTOTUNE_ENV = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
                 "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3",
                 "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}
 AUTOTUNE_WARMUP = 24       # training steps for autotune to settle before it is timed
+#: batch per rank of emulated runs: what one GPU of the emulated class trains on.
+EMULATED_BATCH = {"resnet50": 64, "inception_v3": 64, "vgg16": 32, "transformer": 32,
+                  "resnet20": 128, "mobilenet_v2": 64}
 
 
 
 def _worker_job(network, argv: list[str], env: dict, timeout: float, log_path: str) -> dict:
     from tfoverlap.testbed.horovod_launch import run_horovod
     command = [sys.executable, "-m", "tfoverlap.bench.allreduce_worker"] + argv
-    result = run_horovod(network, 2, command, "gloo", env=env, timeout=timeout)
+    result = run_horovod(network, network.num_hosts, command, "gloo", env=env,
+                         timeout=timeout)
     with open(log_path, "w") as log:
         for rank, output in enumerate(result.outputs):
             log.write(f"===== rank {rank} =====\n{output}\n")
@@ -61,12 +72,25 @@ MAIN_JOB_VARIANTS = "horovod,ddp25,caramel,compute_only,comm_only"
 
 def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: int,
                       steps: int, workdir: str, autotune: bool = True,
-                      timeout: float = 3600.0, variants: str = MAIN_JOB_VARIANTS) -> dict:
-    """Both jobs of one configuration on a fresh two-host network; the raw measurements."""
+                      timeout: float = 3600.0, variants: str = MAIN_JOB_VARIANTS,
+                      ranks: int = 2, emulate: str = "",
+                      dilation: float | None = 1.0) -> dict:
+    """Both jobs of one configuration on a fresh network of ``ranks`` hosts; the raw
+    measurements. ``bandwidth`` is in emulated units where ``emulate`` is given;
+    ``dilation=None`` chooses it."""
     from tfoverlap.testbed.network import EmulatedNetwork
     os.makedirs(workdir, exist_ok=True)
+    automatic = bool(emulate) and dilation is None
+    dilation = (dilation or FIRST_DILATION) if emulate else 1.0
     common = ["--model", model, "--batch", str(batch)]
-    with EmulatedNetwork(2, bandwidth=bandwidth) as network:
+    link = None if bandwidth is None else bandwidth / dilation
+    calibration = []
+    with EmulatedNetwork(ranks, bandwidth=link) as network:
+        if automatic:
+            dilation, calibration = _choose_dilation(network, common, emulate, dilation,
+                                                     bandwidth, workdir, timeout)
+        if emulate:
+            common += ["--emulate", emulate, "--dilation", str(dilation)]
         description = network.describe()
         progress(f"{model} at {link_name(bandwidth)}: {description}; side-by-side job")
         main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
@@ -82,13 +106,38 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
                 timeout, os.path.join(workdir, "autotune-job.log"))
             tuned["autotune_log_tail"] = _tail(log)
     times = dict(main_job["times"])
+    cpu = dict(main_job["cpu"])
     if tuned:
         times["autotune"] = tuned["times"]["autotune"]
+        cpu["autotune"] = tuned["cpu"]["autotune"]
     return {"model": model, "batch": batch, "bandwidth": bandwidth, "network": description,
+            "ranks": ranks, "emulate": emulate, "dilation": dilation,
+            "calibration": calibration, "host_busy": main_job["host_busy"], "cpu": cpu,
             "times": times, "caramel": main_job["caramel"],
             "network_model": main_job["network_model"],
             "parameter_bytes": main_job["parameter_bytes"], "tensors": main_job["tensors"],
             "autotune": tuned and tuned["autotune_log_tail"]}
+
+
+def _choose_dilation(network, common: list[str], emulate: str, dilation: float,
+                     bandwidth: float | None, workdir: str,
+                     timeout: float) -> tuple[float, list]:
+    """Short jobs of Horovod's defaults at rising dilations until the host's CPUs are at
+    most BUSY_LIMIT busy while they time; the dilation and every (dilation, busy) tried."""
+    tried = []
+    while True:
+        if bandwidth is not None:
+            network.set_bandwidth(bandwidth / dilation)
+        job = _worker_job(network, common + [
+            "--variants", "horovod", "--rounds", "1", "--steps", "4", "--warmup", "2",
+            "--emulate", emulate, "--dilation", str(dilation)], {}, timeout,
+            os.path.join(workdir, f"calibration-{dilation:g}.log"))
+        tried.append((dilation, job["host_busy"]))
+        progress(f"dilation {dilation:g}: host CPUs {job['host_busy']:.0%} busy")
+        following = next_dilation(dilation, job["host_busy"])
+        if following is None:
+            return dilation, tried
+        dilation = following
 
 
 def _tail(path: str, lines: int = 2) -> list[str]:
@@ -102,7 +151,8 @@ def _tail(path: str, lines: int = 2) -> list[str]:
 def summarize(result: dict) -> list[dict]:
     """One row per variant: median step, spread, speed-up over Horovod's defaults."""
     from tfoverlap.bench import metrics
-    times = result["times"]
+    scale = 1.0 / result.get("dilation", 1.0)     # emulated runs: wall -> emulated time
+    times = {name: [t * scale for t in values] for name, values in result["times"].items()}
     comm = statistics.median(times["comm_only"])
     comp = statistics.median(times["compute_only"])
     rows = []
@@ -112,8 +162,13 @@ def summarize(result: dict) -> list[dict]:
         spread = metrics.spread(times[name])
         ratio, low, high = metrics.speedup(times["horovod"], times[name])
         caramel = (result["caramel"] or {}).get(name) or {}
+        cpu = result.get("cpu", {}).get(name)
         rows.append({
-            "model": result["model"], "mode": "training", "workers": 2,
+            "model": result["model"], "mode": "training", "workers": result.get("ranks", 2),
+            "emulated": result.get("emulate", ""), "dilation": result.get("dilation", 1.0),
+            "host_busy": result.get("host_busy", float("nan")),
+            "worker_cpu_share": (statistics.median(cpu) / statistics.median(result["times"][name])
+                                 if cpu else float("nan")),
             "link": link_name(result["bandwidth"]), "batch": result["batch"],
             "variant": name, "median_s": spread.median, "p10_s": spread.p10,
             "p90_s": spread.p90, "steps": spread.count,
@@ -150,9 +205,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tfoverlap.bench.allreduce",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50,vgg16,inception_v3,transformer")
-    parser.add_argument("--bandwidths", default="1Gbit,10Gbit",
+    parser.add_argument("--bandwidths", "--links", dest="bandwidths", default="1Gbit,10Gbit",
                         help="comma-separated link rates; 'unshaped' for plain loopback")
     parser.add_argument("--batch", type=int, help="override the per-model batch size")
+    parser.add_argument("--workers", type=int, default=2, help="ranks, one per host")
+    parser.add_argument("--emulate", default="",
+                        help="emulated accelerators: v100, a100, h100 or a device file")
+    parser.add_argument("--dilation", default="auto",
+                        help="emulated runs: the time dilation K (a number >= 1), or 'auto'")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
     parser.add_argument("--no-autotune", action="store_true", help="skip the autotune job")
@@ -183,6 +243,9 @@ def main(argv=None) -> int:
                              f"and come from {', '.join(VARIANT_NAMES)}")
         if min(args.rounds, args.steps) < 1 or (args.batch is not None and args.batch < 1):
             raise ValueError("--rounds, --steps and --batch must be >= 1")
+        if args.workers < 2:
+            raise ValueError("--workers must be at least 2")
+        dilation = parse_dilation(args.dilation, args.emulate)
     except ValueError as error:
         print(f"tfoverlap bench: {error}", file=sys.stderr)
         return 2
@@ -192,9 +255,12 @@ def main(argv=None) -> int:
     for model in models:
         for bandwidth in bandwidths:
             workdir = os.path.join(args.out, "work", f"{model}-{link_name(bandwidth)}")
-            result = run_configuration(model, args.batch or DEFAULT_BATCH.get(model, 4),
+            batches = EMULATED_BATCH if args.emulate else DEFAULT_BATCH
+            result = run_configuration(model, args.batch or batches.get(model, 4),
                                        bandwidth, args.rounds, args.steps, workdir,
-                                       autotune=not args.no_autotune, variants=args.variants)
+                                       autotune=not args.no_autotune, variants=args.variants,
+                                       ranks=args.workers, emulate=args.emulate,
+                                       dilation=dilation)
             results.append(result)
             rows.extend(summarize(result))
             progress(", ".join(f"{r['variant']} {r['median_s']:.3f}s ({r['speedup']:.2f}x)"
@@ -212,8 +278,14 @@ def main(argv=None) -> int:
                                  baseline="horovod",
                                  ylabel="speed-up over Horovod's defaults")
     print()
-    print(f"2 ranks (Gloo), {results[0]['network']}; {args.rounds} rounds x {args.steps} "
-          "steps per variant, interleaved")
+    print(f"{args.workers} ranks (Gloo), {results[0]['network']}; {args.rounds} rounds x "
+          f"{args.steps} steps per variant, interleaved")
+    for result in results:
+        if result["emulate"]:
+            print(f"{result['model']} at {link_name(result['bandwidth'])}: emulated "
+                  f"{result['emulate']}, dilation {result['dilation']:g} (links shaped to "
+                  f"1/{result['dilation']:g}; times in emulated seconds); host CPUs "
+                  f"{result['host_busy']:.0%} busy while timing")
     print(markdown_table(rows))
     print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
           "rows.json, speedups.png")

@@ -15,6 +15,11 @@ Variants (each its own graph and session, same model, batch and seed):
   caramel_finished  forced, each bucket issued only once the one before is reduced.
   compute_only  the same model with a local optimizer: the step without communication.
   comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
+
+With ``--emulate`` every variant's session runs the emulate pass (the heavy compute on
+emulated accelerators, durations times ``--dilation``), and Caramel plans with the
+emulated op times. Rank 0 also reports its CPU time per step and how busy the host's CPUs
+were while it timed (all ranks share this host).
 """
 from __future__ import annotations
 
@@ -65,7 +70,7 @@ def _build(variant: str, args):
             return tfo_hvd.DistributedOptimizer(optimizer, sparse_as_dense=True)
         return optimizer
 
-    tfo_hvd.configure(**CARAMEL_VARIANTS.get(variant, {}))
+    tfo_hvd.configure(**CARAMEL_VARIANTS.get(variant, {}), **_emulation(args))
     try:
         model = build_model(args.model, args.batch, 0, "/cpu:0", True, seed=args.seed,
                             wrap_optimizer=None if variant == "ddp25" else wrap)
@@ -88,9 +93,16 @@ def _build(variant: str, args):
                               for i, v in enumerate(model.variables)])
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=args.intra_op,
                                       inter_op_parallelism_threads=args.inter_op)
+    if args.emulate:
+        import tfoverlap
+        config = tfoverlap.session_config(config, schedule="none", **_emulation(args))
     session = tf.compat.v1.Session(graph=model.graph, config=config)
     session.run(model.init)
     return session, fetch, model
+
+
+def _emulation(args) -> dict:
+    return {"emulate": args.emulate, "dilation": args.dilation} if args.emulate else {}
 
 
 def main(argv=None) -> int:
@@ -104,6 +116,8 @@ def main(argv=None) -> int:
     parser.add_argument("--intra-op", type=int, default=1)
     parser.add_argument("--inter-op", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--emulate", default="", help="a device model or file")
+    parser.add_argument("--dilation", type=float, default=1.0)
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANT_NAMES]
@@ -129,21 +143,27 @@ def main(argv=None) -> int:
     for variant, (session, fetch, _) in built.items():
         for _ in range(args.warmup):
             session.run(fetch)
+    from tfoverlap.bench.dilation import busy_fraction, cpu_sample
     times = {variant: [] for variant in variants}
+    cpu = {variant: [] for variant in variants}
+    before = cpu_sample()
     for round_number in range(args.rounds):
         shift = round_number % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             session, fetch, _ = built[variant]
             for _ in range(args.steps):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 session.run(fetch)
                 times[variant].append(time.perf_counter() - start)
+                cpu[variant].append(time.process_time() - start_cpu)
+    host_busy = busy_fraction(before, cpu_sample())
     model = next(iter(built.values()))[2]
     if hvd.rank() == 0:
         print(json.dumps({
             "model": args.model, "batch": args.batch, "ranks": hvd.size(),
             "parameter_bytes": model.parameter_bytes, "tensors": len(model.variables),
-            "times": times, "build_seconds": build_seconds,
+            "times": times, "cpu": cpu, "host_busy": host_busy,
+            "build_seconds": build_seconds,
             "network_model": tfo_hvd.network_model(),
             "caramel": caramel}), flush=True)
     for session, _, _ in built.values():

@@ -10,6 +10,13 @@ computation-only time of an iteration (for comm/comp and E) and traces steps for
 observed transfer order and the timelines. Results go to CSV, Markdown and PNG plots.
 
     sudo .venv/bin/python -m tfoverlap.bench.ps --models seq32,resnet50 --out out/bench
+
+With ``--emulate v100`` (or a100, h100, a device file) the workers' heavy compute runs on
+emulated accelerators (:mod:`tfoverlap.planning.emulation`): every variant, the
+computation-only reference included, runs the emulate pass after its own. Durations are
+multiplied by a dilation K and link rates divided by K (``--dilation auto`` picks K so that
+the host's CPUs stay below 60% busy, :mod:`tfoverlap.bench.dilation`); results are
+reported in emulated time and links in emulated units (``--link 25Gbit``).
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ import statistics
 import subprocess
 import sys
 
+from tfoverlap.bench.dilation import (FIRST_DILATION, busy_fraction, cpu_sample, next_dilation,
+                                      parse_dilation)
 from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
 
@@ -53,6 +62,9 @@ DEFAULT_BATCH = {
     ("resnet20", False): 32, ("resnet20", True): 32,     # computation-bound everywhere
 }
 DEFAULT_BANDWIDTH = parse_bandwidth("2.5Gbit")
+#: per-worker batch sizes of emulated runs: what one GPU of the emulated class trains on.
+EMULATED_BATCH = {"resnet50": 64, "inception_v3": 64, "vgg16": 32, "resnet20": 128,
+                  "mobilenet_v2": 64}
 
 
 @dataclasses.dataclass
@@ -61,6 +73,7 @@ class Configuration:
     training: bool
     batch: int
     bandwidth: float | None   # bytes/s per link and direction; None: unshaped loopback
+                              # (emulated runs: in emulated units, divided by the dilation)
     num_ps: int = 1
     num_workers: int = 2
     image_size: int = 224
@@ -68,6 +81,8 @@ class Configuration:
     intra_op: int = 1
     inter_op: int = 2
     seed: int = 0
+    emulate: str = ""         # a device model or file: emulated accelerators
+    dilation: float | None = 1.0   # emulated runs: None chooses it (see bench.dilation)
 
     @property
     def mode(self) -> str:
@@ -134,8 +149,9 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
     if unknown or "default" not in variants:
         raise ValueError(f"variants must include 'default' and come from {list(VARIANTS)}")
     os.makedirs(workdir, exist_ok=True)
-    with EmulatedNetwork(config.num_ps + config.num_workers,
-                         bandwidth=config.bandwidth) as network:
+    dilation = (config.dilation or FIRST_DILATION) if config.emulate else 1.0
+    link = None if config.bandwidth is None else config.bandwidth / dilation
+    with EmulatedNetwork(config.num_ps + config.num_workers, bandwidth=link) as network:
         cluster = PsCluster(network, config.num_ps, config.num_workers)
         progress(f"{config.label}: {network.describe()}; starting {config.num_ps} PS and "
                   f"{config.num_workers} workers")
@@ -143,7 +159,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         channels = []
         for task in range(config.num_workers):
             worker_config = dataclasses.asdict(config)
-            worker_config.update(spec=cluster.spec, task=task, variants={
+            worker_config.update(spec=cluster.spec, task=task, dilation=dilation, variants={
                 name: _variant_spec(name, workdir, task) for name in variants})
             log_path = os.path.join(workdir, f"worker{task}.log")
             with open(log_path, "w") as log:
@@ -156,6 +172,9 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         workers = _Workers(channels, timeout)
         graph = workers.ready()[0]
         workers.ask_each([{"cmd": "init"}] + [None] * (config.num_workers - 1))
+        calibration = []
+        if config.emulate and config.dilation is None:
+            dilation, calibration = _choose_dilation(workers, network, config, dilation, steps)
         workers.ask({"cmd": "warmup", "variant": "default"})
         fetch = workers.ask_each([{"cmd": "save_graph",
                                    "path": os.path.join(workdir, "graph.pb")}]
@@ -171,38 +190,67 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         comm = [t for a in workers.ask({"cmd": "comm", "steps": steps}) for t in a["times"]]
         comp = [t for a in workers.ask({"cmd": "comp", "steps": steps}) for t in a["times"]]
         times = {name: [] for name in variants}
+        cpu = {name: [] for name in variants}
         blocks = {name: [] for name in variants}
+        before = cpu_sample()
         for round_index in range(rounds):
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
                 answers = workers.ask({"cmd": "steps", "variant": name, "steps": steps})
                 for answer in answers:
                     times[name].extend(answer["times"])
+                    cpu[name].extend(answer["cpu"])
                 blocks[name].append([sum(a["times"]) / len(a["times"]) for a in answers])
-            summary = ", ".join(f"{name} {statistics.median(values):.3f}s"
+            summary = ", ".join(f"{name} {statistics.median(values) / dilation:.3f}s"
                                 for name, values in times.items())
             progress(f"{config.label}: round {round_index + 1}/{rounds}: {summary}")
+        host_busy = busy_fraction(before, cpu_sample())
         traced = {name: [workers.ask({"cmd": "trace", "variant": name})
                          for _ in range(traces)] for name in variants}
         for channel in channels:
             channel.send(json.dumps({"cmd": "quit"}))
         description = network.describe()
     return {"config": dataclasses.asdict(config), "network": description, "graph": graph,
-            "workdir": workdir, "fetch": fetch,
+            "workdir": workdir, "fetch": fetch, "dilation": dilation,
+            "calibration": calibration, "host_busy": host_busy, "cpu": cpu,
             "passes": passes, "comm": comm, "comp": comp, "times": times, "blocks": blocks,
             "traces": traced}
+
+
+def _choose_dilation(workers, network, config: Configuration, dilation: float,
+                     steps: int) -> tuple[float, list]:
+    """Raises the dilation from ``dilation`` until a few default steps leave the host's
+    CPUs at most BUSY_LIMIT busy; returns it and every (dilation, busy share) tried."""
+    tried = []
+    while True:
+        workers.ask({"cmd": "set_dilation", "value": dilation})
+        if config.bandwidth is not None:
+            network.set_bandwidth(config.bandwidth / dilation)
+        workers.ask({"cmd": "warmup", "variant": "default"})
+        before = cpu_sample()
+        workers.ask({"cmd": "steps", "variant": "default", "steps": steps})
+        busy = busy_fraction(before, cpu_sample())
+        tried.append((dilation, busy))
+        progress(f"{config.label}: dilation {dilation:g}: host CPUs {busy:.0%} busy")
+        following = next_dilation(dilation, busy)
+        if following is None:
+            return dilation, tried
+        dilation = following
 
 
 def summarize(result: dict) -> list[dict]:
     """One row per variant: the metrics of :mod:`tfoverlap.bench.metrics`."""
     from tfoverlap.bench import metrics
     config = result["config"]
-    comm = statistics.median(result["comm"])
-    comp = statistics.median(result["comp"])
-    baseline = result["times"]["default"]
+    scale = 1.0 / result.get("dilation", 1.0)     # emulated runs: wall time -> emulated time
+    comm = statistics.median(result["comm"]) * scale
+    comp = statistics.median(result["comp"]) * scale
+    baseline = [t * scale for t in result["times"]["default"]]
     rows = []
-    for name, values in result["times"].items():
+    for name, wall_times in result["times"].items():
+        values = [t * scale for t in wall_times]
         iteration = metrics.spread(values)
+        cpu = result.get("cpu", {}).get(name)
         ratio, low, high = metrics.speedup(baseline, values)
         per_worker = [metrics.order_consistency([traced[w]["order"]
                                                  for traced in result["traces"][name]])
@@ -221,7 +269,11 @@ def summarize(result: dict) -> list[dict]:
             "efficiency": metrics.efficiency(iteration.median, comm, comp),
             "straggler": metrics.straggler_effect(result["blocks"][name]),
             "distinct_orders": distinct, "top_order_share": share,
-            "transfer_span_s": _transfer_span(result["traces"][name]),
+            "transfer_span_s": _transfer_span(result["traces"][name]) * scale,
+            "emulated": config.get("emulate", ""), "dilation": result.get("dilation", 1.0),
+            "host_busy": result.get("host_busy", float("nan")),
+            "worker_cpu_share": (statistics.median(cpu) / statistics.median(wall_times)
+                                 if cpu else float("nan")),
             "transfers": result["passes"].get(name, {}).get("transfers", ""),
             "ordering_edges": result["passes"].get(name, {}).get("ordering_edges", ""),
             "gates": result["passes"].get(name, {}).get("gates", ""),
@@ -271,7 +323,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ps", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, help="override the per-model batch size")
-    parser.add_argument("--bandwidth", help="override the per-model link rate, e.g. 1Gbit, "
+    parser.add_argument("--emulate", default="",
+                        help="emulated accelerators: v100, a100, h100 or a device file")
+    parser.add_argument("--dilation", default="auto",
+                        help="emulated runs: the time dilation K (a number >= 1), or 'auto'")
+    parser.add_argument("--bandwidth", "--link", dest="bandwidth",
+                        help="override the per-model link rate, e.g. 1Gbit, "
                                             "or 'unshaped' (plain loopback)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
@@ -292,6 +349,7 @@ def main(argv=None) -> int:
             raise ValueError("--ps, --workers, --rounds, --steps and --traces must be >= 1")
         if args.batch is not None and args.batch < 1:
             raise ValueError("--batch must be >= 1")
+        dilation = parse_dilation(args.dilation, args.emulate)
     except ValueError as error:
         print(f"tfoverlap bench: {error}", file=sys.stderr)
         return 2
@@ -299,11 +357,12 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     rows, results = [], []
     for model, training in configurations:
-        config = Configuration(model, training,
-                               args.batch or DEFAULT_BATCH.get((model, training), 64),
+        batches = ({m: b for m, b in EMULATED_BATCH.items()} if args.emulate else
+                   {m: b for (m, t), b in DEFAULT_BATCH.items() if t == training})
+        config = Configuration(model, training, args.batch or batches.get(model, 64),
                                None if unshaped else bandwidth or DEFAULT_BANDWIDTH,
-                               num_ps=args.ps,
-                               num_workers=args.workers)
+                               num_ps=args.ps, num_workers=args.workers,
+                               emulate=args.emulate, dilation=dilation)
         workdir = os.path.join(args.out, "work", f"{model}-{config.mode}")
         result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
                                    traces=args.traces, workdir=workdir)
@@ -328,6 +387,14 @@ def main(argv=None) -> int:
     print()
     print(f"{args.ps} PS, {args.workers} workers, {results[0]['network']}; {args.rounds} rounds "
           f"x {args.steps} steps per variant and worker, interleaved")
+    for result in results:
+        config = result["config"]
+        if config["emulate"]:
+            mode = "training" if config["training"] else "inference"
+            print(f"{config['model']} {mode}: emulated {config['emulate']}, dilation "
+                  f"{result['dilation']:g} (links shaped to 1/{result['dilation']:g} of the "
+                  f"emulated rate; times in emulated seconds); host CPUs "
+                  f"{result['host_busy']:.0%} busy while measuring")
     print(report.markdown_table(rows))
     print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
           "rows.json; plots: "

@@ -7,13 +7,19 @@ line on stdin, one JSON answer per line on stdout (prefixed with :data:`ANSWER`)
 
 - ``init``: initialize the variables (the chief only);
 - ``warmup {variant}``: open the variant's session (Grappler runs) and run two steps;
+- ``set_dilation {value}``: emulated runs: sessions opened afterwards use this dilation;
 - ``save_graph {path}``: write the model's GraphDef (for the simulator and the CLI);
 - ``profile {steps, path}``: profile default steps for TAC (``tfoverlap.profile``);
-- ``steps {variant, steps}``: timed steps, answers their wall times;
+- ``steps {variant, steps}``: timed steps, answers their wall times and this process's CPU
+  time per step;
 - ``trace {variant}``: one fully traced step: the observed transfer order and a timeline;
 - ``comm {steps}``: steps that only move the parameters (and, when training, gradients of
   the same size back), as the communication time of one iteration;
 - ``comp {steps}``: the same model with local parameters, as its computation time;
+
+With ``emulate`` in the configuration every session (every variant, and the local model)
+runs the emulate pass with the current dilation: the heavy compute becomes emulated
+accelerator kernels; times are answered in wall time (the driver divides by the dilation).
 - ``quit``.
 
     python -m tfoverlap.bench.ps_worker '<json configuration>'
@@ -50,8 +56,9 @@ class Worker:
                                  image_size=config["image_size"], width=config["width"],
                                  seed=config["seed"])
         self.comm_fetch = self._communication_only()
+        self.dilation = float(config.get("dilation") or 1.0)
         self.sessions: dict = {}
-        self.local_session = None
+        self.local_sessions: dict = {}
 
     def _communication_only(self):
         """Moves every parameter to this worker (and, training, as much data back)."""
@@ -76,25 +83,40 @@ class Worker:
         config.CopyFrom(self.base)
         if spec.get("recv_scheduling"):
             config.graph_options.enable_recv_scheduling = True
-        if spec.get("tfoverlap") is not None:
-            config = self.tfoverlap.session_config(config, **spec["tfoverlap"])
+        options = dict(spec.get("tfoverlap") or {})
+        if self.config.get("emulate"):
+            options = {"schedule": "none", **options, **self.emulation()}
+        if options:
+            config = self.tfoverlap.session_config(config, **options)
         return config
 
-    def session(self, variant: str):
-        if variant not in self.sessions:
-            self.sessions[variant] = self.tf.compat.v1.Session(
-                self.server.target, graph=self.model.graph, config=self.session_config(variant))
-        return self.sessions[variant]
+    def emulation(self) -> dict:
+        return {"emulate": self.config["emulate"], "dilation": self.dilation}
 
-    def timed(self, session, fetch, steps: int) -> list[float]:
+    def session(self, variant: str):
+        key = (variant, self.dilation)
+        if key not in self.sessions:
+            self.sessions[key] = self.tf.compat.v1.Session(
+                self.server.target, graph=self.model.graph, config=self.session_config(variant))
+        return self.sessions[key]
+
+    def timed(self, session, fetch, steps: int, cpu: list | None = None) -> list[float]:
+        """Wall times of ``steps`` steps; with ``cpu``, appends this process's CPU time of
+        each step to it."""
         times = []
         for _ in range(steps):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             session.run(fetch)
             times.append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu.append(time.process_time() - start_cpu)
         return times
 
     # ------------------------------------------------------------------ commands
+    def set_dilation(self, command):
+        self.dilation = float(command["value"])
+        return {}
+
     def init(self, command):
         self.session("default").run(self.model.init)
         return {}
@@ -141,8 +163,10 @@ class Worker:
         return {}
 
     def steps(self, command):
-        return {"times": self.timed(self.session(command["variant"]), self.model.fetch,
-                                    command["steps"])}
+        cpu: list = []
+        times = self.timed(self.session(command["variant"]), self.model.fetch,
+                           command["steps"], cpu)
+        return {"times": times, "cpu": cpu}
 
     def trace(self, command):
         from tfoverlap.costs.trace import observed_transfer_order, step_timeline
@@ -163,17 +187,22 @@ class Worker:
 
     def comp(self, command):
         from tfoverlap.testbed.models import build_model
-        if self.local_session is None:
+        if self.dilation not in self.local_sessions:
             config = self.config
             local = build_model(config["model"], batch=config["batch"], num_ps=0,
                                 worker_device="/cpu:0", training=config["training"],
                                 image_size=config["image_size"], width=config["width"],
                                 seed=config["seed"])
-            self.local_session = self.tf.compat.v1.Session(graph=local.graph, config=self.base)
-            self.local_session.run(local.init)
-            self.local_fetch = local.fetch
-            self.local_session.run(self.local_fetch)
-        return {"times": self.timed(self.local_session, self.local_fetch, command["steps"])}
+            session_config = self.base
+            if config.get("emulate"):
+                session_config = self.tfoverlap.session_config(self.base, schedule="none",
+                                                               **self.emulation())
+            session = self.tf.compat.v1.Session(graph=local.graph, config=session_config)
+            session.run(local.init)
+            session.run(local.fetch)
+            self.local_sessions[self.dilation] = (session, local.fetch)
+        session, fetch = self.local_sessions[self.dilation]
+        return {"times": self.timed(session, fetch, command["steps"])}
 
 
 def main(argv=None) -> int:

@@ -30,8 +30,8 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(rows)
 
 
-RESULT_EXTRA = ("batch", "ps", "comm_over_comp", "transfer_span_s", "declined", "command",
-                "date")
+RESULT_EXTRA = ("batch", "ps", "comm_over_comp", "transfer_span_s", "declined", "emulated",
+                "dilation", "host_busy", "worker_cpu_share", "command", "date")
 _ROW_KEY = ("model", "mode", "workers", "link", "variant")
 
 

@@ -175,13 +175,27 @@ def _reduce_without_cond(grads, device_dense, device_sparse, compression, sparse
     return reduced
 
 
+EMULATION_OPTIONS = ("emulate", "dilation", "emulate_streams")
+
+
 def _schedule_in_place(graph) -> None:
-    """Runs the Caramel pass on ``graph`` as built so far and applies it in place."""
-    from tfoverlap.api import optimize
+    """Runs the Caramel pass on ``graph`` as built so far and applies it in place.
+
+    With ``emulate`` configured Caramel plans with the emulated op times, and the
+    emulation itself, which replaces ops (a graph being built cannot have ops replaced),
+    is left to the sessions: every session created afterwards runs the emulate pass."""
+    from tfoverlap.api import enable_for_sessions
     from tfoverlap.integrations.live_graph import apply_rewrite
-    from tfoverlap.passes.base import REPORTS
+    from tfoverlap.options import parse_options
+    from tfoverlap.passes.base import REPORTS, PassContext
+    from tfoverlap.passes.pipeline import run_pipeline
+    options = caramel_options()
     before = graph.as_graph_def()
-    after, report = optimize(before, **caramel_options())
+    context = PassContext(options=parse_options(options), skip=("emulate",))
+    after, report = run_pipeline(before, context)
+    if options.get("emulate"):
+        enable_for_sessions(schedule="none", **{name: options[name]
+                                                for name in EMULATION_OPTIONS if name in options})
     if report.modified:
         apply_rewrite(graph, before, after)
     REPORTS.append(report)

@@ -19,7 +19,8 @@ class PassContext:
     """What a pass may know besides the graph.
 
     fetch/feed/keep are node or tensor names that Grappler says must survive; ``source``
-    says who called ("grappler" or "offline").
+    says who called ("grappler" or "offline"); passes named in ``skip`` do not run (a
+    caller that applies one pass's rewrite itself and leaves another to the session).
     """
 
     options: Options = Options()
@@ -28,6 +29,7 @@ class PassContext:
     keep: tuple[str, ...] = ()
     item_id: str = ""
     source: str = "offline"
+    skip: tuple[str, ...] = ()
 
     @property
     def preserved_nodes(self) -> tuple[str, ...]:

@@ -54,6 +54,8 @@ def _run_passes(graph_def, context: PassContext):
                     num_nodes=len(graph_def.node))
     current = graph_def
     for name, graph_pass in select_passes(context.options):
+        if name in context.skip:
+            continue
         try:
             result = graph_pass(current, context)
             if result.modified:

@@ -294,6 +294,22 @@ class EmulatedNetwork:
                     self._tc(where, "qdisc", "add", "dev", link, "root",
                              *_tbf_arguments(self.bandwidth))
 
+    def set_bandwidth(self, bandwidth: float) -> None:
+        """Reshapes every link, both directions, to ``bandwidth`` bytes/s (a network built
+        with shaped links; loopback stays unshaped)."""
+        if not bandwidth > 0:
+            raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+        if self.bandwidth is None:
+            raise NetworkError("the links were built unshaped; build the network with a "
+                               "bandwidth to reshape it")
+        if self.mode == "namespaces":
+            for host in range(self.num_hosts):
+                for where, link in ((self.namespace(host), "eth0"),
+                                    (SWITCH_NAMESPACE, f"p{host}")):
+                    self._tc(where, "qdisc", "change", "dev", link, "root",
+                             *_tbf_arguments(bandwidth))
+        self.bandwidth = bandwidth
+
     def _write_hosts_file(self, host: int) -> None:
         """The host's own names resolve to its address inside its namespace.
 
