@@ -133,3 +133,61 @@ def test_result_rows_merge_into_the_docs_file(tmp_path):
         ("default", "loopback", 1.0, "first"), ("tic", "loopback", 3.0, "second"),
         ("tic", "1Gbit", 4.0, "second")]
     assert set(rows[0]) == set(report.RESULT_FIELDS) | {"batch", "command", "date"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (namespaces, tc)")
+def test_an_emulated_ps_job_of_two_workers_trains_and_reports_in_emulated_time(tmp_path):
+    """Emulated V100s with a fixed dilation: every variant (the computation-only reference
+    too) runs emulated kernels, the link is shaped to 1/K of its emulated rate, and the
+    rows are in emulated seconds, with the workers' CPU share and the host's busy share."""
+    config = ps.Configuration("resnet20", training=True, batch=32, bandwidth=1.25e9,
+                              num_ps=1, num_workers=2, emulate="v100", dilation=10)
+    result = ps.run_configuration(config, ("default", "tic"), rounds=1, steps=2, traces=1,
+                                  workdir=str(tmp_path / "work"), timeout=300)
+    assert leftovers() == []
+    assert result["dilation"] == 10 and "1 Gbit/s tbf" in result["network"]
+    rows = ps.summarize(result)
+    for row, wall in zip(rows, (result["times"]["default"], result["times"]["tic"])):
+        assert row["emulated"] == "v100" and row["dilation"] == 10
+        assert row["median_s"] == pytest.approx(sorted(wall)[len(wall) // 2] / 10, rel=0.5)
+        assert 0 < row["worker_cpu_share"] < 1 and 0 < row["host_busy"] <= 1
+        assert row["link"] == "10Gbit"
+
+
+def test_an_emulated_horovod_job_of_two_ranks_trains_with_emulated_kernels():
+    """Two Gloo ranks on emulated V100s: Horovod's own and Caramel's graphs both run, rank
+    0 reports CPU per step and the host's busy share."""
+    import sys
+    from tfoverlap.testbed.horovod_launch import run_horovod
+    from tfoverlap.testbed.network import EmulatedNetwork
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [
+            sys.executable, "-m", "tfoverlap.bench.allreduce_worker", "--model", "resnet20",
+            "--batch", "32", "--variants", "horovod,caramel_forced,compute_only",
+            "--rounds", "1", "--steps", "2", "--warmup", "1", "--emulate", "v100",
+            "--dilation", "10"], controller="gloo", timeout=400)
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    record = json.loads(next(line for line in result.outputs[0].splitlines()
+                             if line.startswith("{")))
+    assert set(record["times"]) == {"horovod", "caramel_forced", "compute_only"}
+    assert record["caramel"]["caramel_forced"]["buckets"] >= 1
+    for variant, times in record["times"].items():
+        assert len(times) == 2 and len(record["cpu"][variant]) == 2
+        # Emulated kernels wait without the CPU: well below the step's wall time.
+        assert sorted(record["cpu"][variant])[0] < times[0], variant
+    assert 0 < record["host_busy"] <= 1
+
+
+def test_dilation_grows_until_the_host_is_calm_enough():
+    from tfoverlap.bench.dilation import next_dilation, parse_dilation
+    assert next_dilation(4, 0.5) is None
+    assert next_dilation(4, 0.95) == 16          # saturated: fourfold
+    assert next_dilation(10, 0.9) == 20          # 10 x 0.9 / 0.45
+    assert next_dilation(400, 0.99) is None      # the ceiling
+    assert parse_dilation("auto", "v100") is None and parse_dilation("auto", "") == 1.0
+    assert parse_dilation("12", "a100") == 12.0
+    for text in ("0.5", "fast", "inf"):
+        with pytest.raises(ValueError, match="--dilation"):
+            parse_dilation(text, "v100")
+    with pytest.raises(ValueError, match="neither a device model"):
+        parse_dilation("auto", "tpu9")

@@ -8,8 +8,7 @@ process has it, :func:`tfoverlap.optimize` loads it).
 from __future__ import annotations
 
 from tfoverlap.passes.base import PassContext, PassResult
-from tfoverlap.planning.emulation import plan_emulation
-from tfoverlap.rewriters.emulated_ops import replace_with_emulated_ops
+from tfoverlap.planning.emulation import emulate_until_done
 
 __all__ = ["emulate_pass"]
 
@@ -17,18 +16,24 @@ __all__ = ["emulate_pass"]
 def emulate_pass(graph_def, context: PassContext) -> PassResult:
     """Replaces heavy worker ops by ``TfOverlapEmulatedCompute`` kernels."""
     options = context.options
-    plan = plan_emulation(graph_def, options, context.preserved_nodes)
+    emulated_graph, plans = emulate_until_done(graph_def, options, context.preserved_nodes)
+    seconds, originals = {}, {}
+    for plan in plans:
+        for device, device_seconds in plan.emulated_seconds.items():
+            seconds[device] = seconds.get(device, 0.0) + device_seconds
+        for op_type, count in plan.original_ops.items():
+            originals[op_type] = originals.get(op_type, 0) + count
+    emulated = sum(len(plan.emulations) for plan in plans)
     summary = {
-        "device": plan.device.name,
+        "device": plans[0].device.name,
         "dilation": options.dilation,
         "streams": options.emulate_streams,
-        "emulated_ops": len(plan.emulations),
-        "emulated_op_types": dict(sorted(plan.original_ops.items())),
-        "emulated_ms": {device or "(unplaced)": round(seconds * 1e3, 3)
-                        for device, seconds in sorted(plan.emulated_seconds.items())},
-        "kept_heavy_ops": plan.kept_heavy,
+        "emulated_ops": emulated,
+        "emulated_op_types": dict(sorted(originals.items())),
+        "emulated_ms": {device or "(unplaced)": round(device_seconds * 1e3, 3)
+                        for device, device_seconds in sorted(seconds.items())},
+        "kept_heavy_ops": plans[-1].kept_heavy,
     }
-    if not plan.emulations:
+    if not emulated:
         return PassResult(graph_def, modified=False, summary=summary)
-    return PassResult(replace_with_emulated_ops(graph_def, plan.emulations), modified=True,
-                      summary=summary)
+    return PassResult(emulated_graph, modified=True, summary=summary)

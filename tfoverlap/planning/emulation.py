@@ -4,8 +4,8 @@ The emulation replaces the *heavy compute* of the workers: every op on a non-PS 
 whose FLOPs or bytes moved are above a threshold, with floating-point outputs of static
 shape. What stays real:
 
-- anything on a PS device (reads, updates) or colocated with another node (a variable's
-  initializer and updates);
+- anything on a PS device (reads, updates) or colocated with a stateful node (a
+  variable's initializer and updates);
 - stateful ops (variables and their reads and updates, Horovod's collectives, input
   pipelines, random numbers) and ops reading resources, variants or strings;
 - control flow (Switch, Merge, Enter, Exit, NextIteration, LoopCond) and every op with a
@@ -25,9 +25,10 @@ from tfoverlap.costs.accelerators import DeviceModel, load_device_model
 from tfoverlap.costs.static import OpShapes, static_costs
 from tfoverlap.graph.devices import DeviceMatcher
 from tfoverlap.graph.model import dtype_bytes
-from tfoverlap.rewriters.emulated_ops import EMULATED_OP, Emulation
+from tfoverlap.rewriters.emulated_ops import EMULATED_OP, Emulation, replace_with_emulated_ops
 
-__all__ = ["EmulationPlan", "plan_emulation", "emulated_op_seconds", "MIN_FLOPS", "MIN_BYTES"]
+__all__ = ["EmulationPlan", "plan_emulation", "emulate_until_done", "emulated_op_seconds",
+           "MIN_FLOPS", "MIN_BYTES"]
 
 #: an op is heavy with at least this many FLOPs ...
 MIN_FLOPS = 1e6
@@ -45,6 +46,9 @@ _KEPT_OPS = frozenset({
     "OnesLike", "Fill", "BroadcastTo", "_Send", "_Recv", "_HostSend", "_HostRecv",
     EMULATED_OP})
 _OWN_PREFIX = "tfoverlap/"
+#: outputs whose static shape TensorFlow leaves open, though the CPU kernel always gives
+#: this one (the reserve space of training batch norm, which only cuDNN uses).
+_CPU_OUTPUT_SHAPES = {("FusedBatchNormV3", 5): (0,)}
 
 
 @dataclasses.dataclass
@@ -76,10 +80,19 @@ def _work(op_type: str, shapes: OpShapes) -> tuple[float, float]:
     return float(flops), float(moved)
 
 
-def _emulable(node, shapes: OpShapes | None, is_ps, preserved) -> bool:
+def _with_stateful(node, ops: dict) -> bool:
+    """Colocated with a stateful node (a variable's initializer or update)."""
+    for text in node.attr["_class"].list.s if "_class" in node.attr else ():
+        target = ops.get(text.decode().removeprefix("loc:@"))
+        if target is None or target.stateful:
+            return True
+    return False
+
+
+def _emulable(node, shapes: OpShapes | None, is_ps, preserved, ops: dict) -> bool:
     if (shapes is None or node.op in _KEPT_OPS or node.name.startswith(_OWN_PREFIX)
             or node.name in preserved or is_ps(node.device) or shapes.stateful
-            or "_class" in node.attr):
+            or _with_stateful(node, ops)):
         return False
     if not shapes.output_dtypes or any(d not in _FLOATING for d in shapes.output_dtypes):
         return False
@@ -101,18 +114,40 @@ def plan_emulation(graph_def, options, preserved=()) -> EmulationPlan:
         flops, moved = _work(node.op, shapes)
         if flops < MIN_FLOPS and moved < MIN_BYTES and node.name not in device.op_seconds:
             continue
-        if not _emulable(node, shapes, is_ps, preserved):
+        if not _emulable(node, shapes, is_ps, preserved, costs.ops):
             continue
-        if any(dims is None for dims in shapes.output_shapes):
+        output_shapes = tuple(_CPU_OUTPUT_SHAPES.get((node.op, slot), dims) if dims is None
+                              else dims for slot, dims in enumerate(shapes.output_shapes))
+        if any(dims is None for dims in output_shapes):
             kept_heavy += 1
             continue
         duration = device.op_time(node.name, node.op, flops, moved)
         emulations.append(Emulation(
-            node.name, shapes.input_dtypes, shapes.output_dtypes, shapes.output_shapes,
+            node.name, shapes.input_dtypes, shapes.output_dtypes, output_shapes,
             duration * options.dilation, stream=len(emulations) % options.emulate_streams))
         seconds[node.device] = seconds.get(node.device, 0.0) + duration
         originals[node.op] = originals.get(node.op, 0) + 1
     return EmulationPlan(device, options.dilation, emulations, seconds, originals, kept_heavy)
+
+
+def emulate_until_done(graph_def, options, preserved=()) -> tuple[object, list[EmulationPlan]]:
+    """(``graph_def`` with every emulable op emulated, the plan of each round).
+
+    An emulated kernel declares its static output shapes, which can make shapes static
+    downstream that TensorFlow's inference left open (batch norm's reserve space), and so
+    make more ops emulable: planning repeats on the rewritten graph until nothing more is.
+    """
+    current, plans = graph_def, []
+    for _ in range(_MAX_ROUNDS):
+        plan = plan_emulation(current, options, preserved)
+        plans.append(plan)
+        if not plan.emulations:
+            break
+        current = replace_with_emulated_ops(current, plan.emulations)
+    return current, plans
+
+
+_MAX_ROUNDS = 4
 
 
 def emulated_op_seconds(graph_def, options) -> tuple[dict, str]:
@@ -121,6 +156,7 @@ def emulated_op_seconds(graph_def, options) -> tuple[dict, str]:
     plan on the original graph, with these times for the ops that will be emulated."""
     if not options.emulate:
         return {}, ""
-    plan = plan_emulation(graph_def, options)
-    return ({emulation.node: emulation.seconds for emulation in plan.emulations},
-            f"emulated {plan.device.name} x{options.dilation:g}")
+    _, plans = emulate_until_done(graph_def, options)
+    return ({emulation.node: emulation.seconds for plan in plans
+             for emulation in plan.emulations},
+            f"emulated {plans[0].device.name} x{options.dilation:g}")
