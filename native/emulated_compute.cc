@@ -1,19 +1,30 @@
-// An emulated accelerator kernel: TfOverlapEmulatedCompute stands in for a heavy compute
-// op. It takes the original op's inputs (so every dependency stays), gives outputs of the
-// original dtypes and static shapes, and completes after the duration an accelerator would
-// take, without using the host CPU while it waits.
+// Emulated accelerator kernels.
 //
-// Timing: kernels on one emulated stream (a device name plus the `stream` attr) run one at
-// a time in the order they were issued, as on one CUDA stream: a kernel issued at t starts
-// at max(t, the end of the stream's previous kernel) and ends `duration_us` later. One
-// timer thread per process sleeps until the earliest end and hands the kernel's `done`
-// to the device's worker threads; no thread waits per kernel and nothing spins.
+// TfOverlapEmulatedCompute stands in for a heavy compute op. It takes the original op's
+// inputs (so every dependency stays), gives outputs of the original dtypes and static
+// shapes, and occupies an emulated stream (a device name plus the `stream` attr) for
+// `duration_us`: kernels on one stream run one at a time in the order they were issued,
+// as on one CUDA stream, so a kernel issued at t ends at max(t, the end of the stream's
+// previous kernel) + duration.
+//
+// When the executor sees it complete depends on `blocking`:
+// - false (the default, a GPU's semantics): at once, as TensorFlow's GPU executor treats a
+//   launched kernel, so the host runs ahead issuing more kernels while the stream works.
+//   Where a result leaves the stream (a host op, a transfer, a collective consumes it),
+//   the rewrite puts a TfOverlapStreamWait, which forwards its inputs once the kernels
+//   that produced them have ended: a device-to-host copy waiting on its stream event.
+// - true: when the kernel ends (a CPU's semantics: the executor waits for every op).
+//
+// Waiting takes no thread and no CPU: one timer thread per process sleeps until the
+// earliest pending end and hands the `done` callback to the device's worker threads.
 //
 // Outputs: views of one zero buffer per dtype and process, as large as the largest output
 // asked for (it grows when a larger one is). Each kernel takes its views once and returns
 // them every step: no allocation and no memset per step, and memory for one output, not
 // for all of them (a model's activations would not fit 8 emulated workers in host memory).
 // The pool holds a reference to the buffer, so no consumer ever writes into it in place.
+#include <sys/prctl.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -51,10 +62,11 @@ REGISTER_OP("TfOverlapEmulatedCompute")
     .Input("inputs: Tin")
     .Output("outputs: Tout")
     .Attr("Tin: list(type) >= 0")
-    .Attr("Tout: list(type) >= 1")
-    .Attr("output_shapes: list(shape) >= 1")
+    .Attr("Tout: list(type) >= 0")
+    .Attr("output_shapes: list(shape) >= 0")
     .Attr("duration_us: float")
     .Attr("stream: int = 0")
+    .Attr("blocking: bool = false")
     .Attr("original_op: string = ''")
     // Stateful: Grappler must neither fold, deduplicate nor prune it as a pure function.
     .SetIsStateful()
@@ -74,7 +86,23 @@ REGISTER_OP("TfOverlapEmulatedCompute")
       return ::tensorflow::OkStatus();
     })
     .Doc("Emulates a compute op of an accelerator: zeros of the given dtypes and shapes, "
-         "after duration_us, one kernel at a time per (device, stream), in issue order.");
+         "taking duration_us of its stream, one kernel at a time per (device, stream), in "
+         "issue order; complete at launch unless blocking.");
+
+REGISTER_OP("TfOverlapStreamWait")
+    .Input("inputs: T")
+    .Output("outputs: T")
+    .Attr("T: list(type) >= 1")
+    .Attr("producers: list(string) >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* context) {
+      for (int i = 0; i < context->num_inputs(); ++i) {
+        context->set_output(i, context->input(i));
+      }
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Forwards its inputs once the emulated kernels named in producers (on this "
+         "device) have ended on their streams.");
 
 // The process's emulated streams and the one timer thread that completes their kernels.
 class EmulatedStreams {
@@ -84,17 +112,31 @@ class EmulatedStreams {
     return *streams;
   }
 
-  // Queues a kernel of `duration` on `stream`; `on_end` runs on the timer thread when it
-  // ends and must only hand work elsewhere.
-  void Issue(const std::string& stream, std::chrono::nanoseconds duration,
-             std::function<void()> on_end) {
+  // Queues a kernel of `duration` on `stream` and records its end under `kernel`;
+  // returns the end.
+  Clock::time_point Issue(const std::string& stream, const std::string& kernel,
+                          std::chrono::nanoseconds duration) {
     const Clock::time_point now = Clock::now();
     std::lock_guard<std::mutex> lock(mutex_);
     Clock::time_point& busy_until = busy_until_[stream];
     const Clock::time_point end = std::max(now, busy_until) + duration;
     busy_until = end;
-    const bool earliest = ends_.empty() || end < ends_.begin()->first;
-    ends_.emplace(end, std::move(on_end));
+    last_end_[kernel] = end;
+    return end;
+  }
+
+  // When the last kernel issued under `kernel` ends (the epoch if none was).
+  Clock::time_point LastEnd(const std::string& kernel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = last_end_.find(kernel);
+    return found == last_end_.end() ? Clock::time_point() : found->second;
+  }
+
+  // Runs `callback` on the timer thread at `when` (it must only hand work elsewhere).
+  void At(Clock::time_point when, std::function<void()> callback) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool earliest = ends_.empty() || when < ends_.begin()->first;
+    ends_.emplace(when, std::move(callback));
     if (earliest) wake_.notify_one();
   }
 
@@ -102,6 +144,8 @@ class EmulatedStreams {
   EmulatedStreams() : timer_([this] { Run(); }) { timer_.detach(); }
 
   void Run() {
+    // Wake as close to each deadline as the kernel allows (the default slack is 50 µs).
+    prctl(PR_SET_TIMERSLACK, 1UL);
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
       if (ends_.empty()) {
@@ -124,9 +168,15 @@ class EmulatedStreams {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::unordered_map<std::string, Clock::time_point> busy_until_;
+  std::unordered_map<std::string, Clock::time_point> last_end_;
   std::multimap<Clock::time_point, std::function<void()>> ends_;
   std::thread timer_;
 };
+
+// The name under which a kernel's ends are recorded: its device and node.
+std::string KernelKey(const std::string& device, const std::string& node) {
+  return device + "|" + node;
+}
 
 // Process-wide zeros, one growing buffer per dtype.
 class ZeroPool {
@@ -196,7 +246,9 @@ class EmulatedComputeOp : public AsyncOpKernel {
     duration_ = std::chrono::nanoseconds(static_cast<int64_t>(duration_us * 1000.0));
     int64_t stream = 0;
     OP_REQUIRES_OK(context, context->GetAttr("stream", &stream));
+    OP_REQUIRES_OK(context, context->GetAttr("blocking", &blocking_));
     stream_ = context->device()->name() + "/stream:" + std::to_string(stream);
+    kernel_ = KernelKey(context->device()->name(), name());
   }
 
   void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
@@ -217,8 +269,13 @@ class EmulatedComputeOp : public AsyncOpKernel {
       }
       for (size_t i = 0; i < zeros_.size(); ++i) context->set_output(i, zeros_[i]);
     }
+    const Clock::time_point end = EmulatedStreams::Get().Issue(stream_, kernel_, duration_);
+    if (!blocking_) {
+      done();  // launched: the stream does the rest
+      return;
+    }
     auto* workers = context->device()->tensorflow_cpu_worker_threads()->workers;
-    EmulatedStreams::Get().Issue(stream_, duration_, [workers, done = std::move(done)]() {
+    EmulatedStreams::Get().At(end, [workers, done = std::move(done)]() {
       workers->Schedule(done);
     });
   }
@@ -228,12 +285,49 @@ class EmulatedComputeOp : public AsyncOpKernel {
   std::vector<TensorShape> shapes_;
   std::chrono::nanoseconds duration_{0};
   std::string stream_;
+  std::string kernel_;
+  bool blocking_ = false;
   std::mutex zeros_mutex_;
   std::vector<Tensor> zeros_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfOverlapEmulatedCompute").Device(::tensorflow::DEVICE_CPU),
                         EmulatedComputeOp);
+
+class StreamWaitOp : public AsyncOpKernel {
+ public:
+  explicit StreamWaitOp(OpKernelConstruction* context) : AsyncOpKernel(context) {
+    std::vector<std::string> producers;
+    OP_REQUIRES_OK(context, context->GetAttr("producers", &producers));
+    for (const std::string& producer : producers) {
+      producers_.push_back(KernelKey(context->device()->name(), producer));
+    }
+  }
+
+  void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
+    for (int i = 0; i < context->num_inputs(); ++i) {
+      context->set_output(i, context->input(i));
+    }
+    Clock::time_point ready;
+    for (const std::string& producer : producers_) {
+      ready = std::max(ready, EmulatedStreams::Get().LastEnd(producer));
+    }
+    if (ready <= Clock::now()) {
+      done();
+      return;
+    }
+    auto* workers = context->device()->tensorflow_cpu_worker_threads()->workers;
+    EmulatedStreams::Get().At(ready, [workers, done = std::move(done)]() {
+      workers->Schedule(done);
+    });
+  }
+
+ private:
+  std::vector<std::string> producers_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfOverlapStreamWait").Device(::tensorflow::DEVICE_CPU),
+                        StreamWaitOp);
 
 }  // namespace
 }  // namespace tfoverlap

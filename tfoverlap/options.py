@@ -96,6 +96,9 @@ class Options:
                  against the emulated step.
     emulate_streams: emulated kernels of a device run one at a time on each of this many
                  streams, in issue order.
+    emulate_blocking: emulated kernels complete for TensorFlow's executor when they end (a
+                 CPU's semantics), instead of at launch with a wait where their results
+                 leave the stream (a GPU's, the default).
     """
 
     schedule: str = "tic"
@@ -122,6 +125,7 @@ class Options:
     emulate: str = ""
     dilation: float = 1.0
     emulate_streams: int = 1
+    emulate_blocking: bool = False
 
 
 OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
@@ -284,7 +288,7 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
                 raise ValueError(f"option 'bandwidth': {error}") from None
         elif name == "credit":
             value = _parse_credit(value)
-        elif name in ("strict", "force"):
+        elif name in ("strict", "force", "emulate_blocking"):
             value = _as_bool(name, value)
         parsed[name] = value
     options = Options(**parsed)

@@ -17,8 +17,10 @@ figures (dense, no sparsity):
   H100 datasheet).
 
 The efficiencies (matrix 0.4, vector 0.5, memory 0.7) and the 5 µs launch are round
-figures of what cuDNN/cuBLAS kernels reach on ResNet-class layers; docs/benchmarks.md
-compares the resulting ResNet-50 step with published throughput.
+figures of what cuDNN/cuBLAS kernels reach on ResNet-class layers. Training on these GPUs
+is mixed precision: activations and gradients move as 16-bit values, so an op's bytes
+count at half the graph's 32-bit sizes (``bytes_scale`` 0.5). docs/benchmarks.md compares
+the resulting ResNet-50 and VGG-16 steps with published throughput.
 
 A JSON device file can be given instead of a name: the same fields, any of them, on top of
 a named model (``"base": "v100"``), and ``op_seconds``, per-op times by node name (for
@@ -52,6 +54,7 @@ class DeviceModel:
     vector_efficiency: float = 0.5
     memory_efficiency: float = 0.7
     launch_seconds: float = 5e-6
+    bytes_scale: float = 0.5       # bytes moved per byte of the graph's dtypes
     op_seconds: dict = dataclasses.field(default_factory=dict)   # node name -> seconds
 
     def op_time(self, name: str, op_type: str, flops: float, moved_bytes: float) -> float:
@@ -62,7 +65,7 @@ class DeviceModel:
         rate = (self.matrix_flops * self.matrix_efficiency if matrix
                 else self.vector_flops * self.vector_efficiency)
         memory = self.memory_bandwidth * self.memory_efficiency
-        return self.launch_seconds + max(flops / rate, moved_bytes / memory)
+        return self.launch_seconds + max(flops / rate, moved_bytes * self.bytes_scale / memory)
 
 
 DEVICE_MODELS = {
@@ -75,7 +78,7 @@ DEVICE_MODELS = {
 }
 
 _NUMBER_FIELDS = ("matrix_flops", "vector_flops", "memory_bandwidth", "matrix_efficiency",
-                  "vector_efficiency", "memory_efficiency", "launch_seconds")
+                  "vector_efficiency", "memory_efficiency", "launch_seconds", "bytes_scale")
 
 
 def load_device_model(spec: str) -> DeviceModel:

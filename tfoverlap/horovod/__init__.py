@@ -175,7 +175,7 @@ def _reduce_without_cond(grads, device_dense, device_sparse, compression, sparse
     return reduced
 
 
-EMULATION_OPTIONS = ("emulate", "dilation", "emulate_streams")
+EMULATION_OPTIONS = ("emulate", "dilation", "emulate_streams", "emulate_blocking")
 
 
 def _schedule_in_place(graph) -> None:

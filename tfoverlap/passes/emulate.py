@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tfoverlap.passes.base import PassContext, PassResult
 from tfoverlap.planning.emulation import emulate_until_done
+from tfoverlap.rewriters.emulated_ops import insert_stream_waits
 
 __all__ = ["emulate_pass"]
 
@@ -17,6 +18,7 @@ def emulate_pass(graph_def, context: PassContext) -> PassResult:
     """Replaces heavy worker ops by ``TfOverlapEmulatedCompute`` kernels."""
     options = context.options
     emulated_graph, plans = emulate_until_done(graph_def, options, context.preserved_nodes)
+    emulated_graph, waits = insert_stream_waits(emulated_graph)
     seconds, originals = {}, {}
     for plan in plans:
         for device, device_seconds in plan.emulated_seconds.items():
@@ -29,11 +31,13 @@ def emulate_pass(graph_def, context: PassContext) -> PassResult:
         "dilation": options.dilation,
         "streams": options.emulate_streams,
         "emulated_ops": emulated,
+        "launch": "blocking" if options.emulate_blocking else "ahead",
+        "stream_waits": waits,
         "emulated_op_types": dict(sorted(originals.items())),
         "emulated_ms": {device or "(unplaced)": round(device_seconds * 1e3, 3)
                         for device, device_seconds in sorted(seconds.items())},
         "kept_heavy_ops": plans[-1].kept_heavy,
     }
-    if not emulated:
+    if not emulated and not waits:
         return PassResult(graph_def, modified=False, summary=summary)
     return PassResult(emulated_graph, modified=True, summary=summary)

@@ -6,8 +6,10 @@ shape. What stays real:
 
 - anything on a PS device (reads, updates) or colocated with a stateful node (a
   variable's initializer and updates);
-- stateful ops (variables and their reads and updates, Horovod's collectives, input
-  pipelines, random numbers) and ops reading resources, variants or strings;
+- stateful ops (variables and their reads, Horovod's collectives, input pipelines,
+  random numbers) and ops reading resources, variants or strings, except the optimizer's
+  updates of variables on a worker (Horovod's replicated weights: on a GPU cluster the
+  update is GPU work), emulated as memory-bound ops that leave the variable as it was;
 - control flow (Switch, Merge, Enter, Exit, NextIteration, LoopCond) and every op with a
   non-floating output (predicates, shapes, indices);
 - feeds, fetches and kept nodes, views (Reshape, Identity ...), constants, tfoverlap's
@@ -25,7 +27,8 @@ from tfoverlap.costs.accelerators import DeviceModel, load_device_model
 from tfoverlap.costs.static import OpShapes, static_costs
 from tfoverlap.graph.devices import DeviceMatcher
 from tfoverlap.graph.model import dtype_bytes
-from tfoverlap.rewriters.emulated_ops import EMULATED_OP, Emulation, replace_with_emulated_ops
+from tfoverlap.rewriters.emulated_ops import (EMULATED_OP, STREAM_WAIT_OP, Emulation,
+                                              replace_with_emulated_ops)
 
 __all__ = ["EmulationPlan", "plan_emulation", "emulate_until_done", "emulated_op_seconds",
            "MIN_FLOPS", "MIN_BYTES"]
@@ -38,6 +41,7 @@ MIN_BYTES = 256 * 2 ** 10
 _FLOATING = frozenset({1, 2, 14, 19})            # float, double, bfloat16, half
 _OPAQUE = frozenset({7, 20, 21})                 # string, resource, variant
 _KEPT_OPS = frozenset({
+    STREAM_WAIT_OP,
     "Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond", "RefSwitch",
     "RefMerge", "RefEnter", "RefExit", "RefNextIteration",
     "Placeholder", "PlaceholderWithDefault", "_Arg", "_Retval", "Const", "HostConst",
@@ -47,8 +51,9 @@ _KEPT_OPS = frozenset({
     EMULATED_OP})
 _OWN_PREFIX = "tfoverlap/"
 #: outputs whose static shape TensorFlow leaves open, though the CPU kernel always gives
-#: this one (the reserve space of training batch norm, which only cuDNN uses).
-_CPU_OUTPUT_SHAPES = {("FusedBatchNormV3", 5): (0,)}
+#: this one (the reserve space of training batch norm, which only cuDNN uses; also in the
+#: batch norm + activation that Grappler's remapper fuses before TfOverlap runs).
+_CPU_OUTPUT_SHAPES = {("FusedBatchNormV3", 5): (0,), ("_FusedBatchNormEx", 5): (0,)}
 
 
 @dataclasses.dataclass
@@ -89,10 +94,28 @@ def _with_stateful(node, ops: dict) -> bool:
     return False
 
 
+def _is_update(node, shapes: OpShapes) -> bool:
+    """An optimizer's update of resource variables (ResourceApplyAdam, ...): no outputs."""
+    return node.op.startswith("ResourceApply") and not shapes.output_dtypes
+
+
+def _update_bytes(shapes: OpShapes) -> float:
+    """An update reads and writes the variable and each slot, and reads the gradient:
+    about 2 x (1 + slots) + 1 times the gradient's bytes (the largest static input)."""
+    gradient = max((math.prod(dims) * dtype_bytes(dtype)
+                    for dims, dtype in zip(shapes.input_shapes, shapes.input_dtypes)
+                    if dims is not None and dtype not in _OPAQUE), default=0)
+    slots = max(0, sum(1 for dtype in shapes.input_dtypes if dtype == 20) - 1)
+    return float(gradient * (2 * (1 + slots) + 1))
+
+
 def _emulable(node, shapes: OpShapes | None, is_ps, preserved, ops: dict) -> bool:
     if (shapes is None or node.op in _KEPT_OPS or node.name.startswith(_OWN_PREFIX)
-            or node.name in preserved or is_ps(node.device) or shapes.stateful
-            or _with_stateful(node, ops)):
+            or node.name in preserved or is_ps(node.device)):
+        return False
+    if _is_update(node, shapes):
+        return True          # colocated with its own variable
+    if shapes.stateful or _with_stateful(node, ops):
         return False
     if not shapes.output_dtypes or any(d not in _FLOATING for d in shapes.output_dtypes):
         return False
@@ -112,6 +135,8 @@ def plan_emulation(graph_def, options, preserved=()) -> EmulationPlan:
         if shapes is None or node.op == EMULATED_OP:
             continue
         flops, moved = _work(node.op, shapes)
+        if _is_update(node, shapes):
+            moved = _update_bytes(shapes)
         if flops < MIN_FLOPS and moved < MIN_BYTES and node.name not in device.op_seconds:
             continue
         if not _emulable(node, shapes, is_ps, preserved, costs.ops):
@@ -143,7 +168,8 @@ def emulate_until_done(graph_def, options, preserved=()) -> tuple[object, list[E
         plans.append(plan)
         if not plan.emulations:
             break
-        current = replace_with_emulated_ops(current, plan.emulations)
+        current = replace_with_emulated_ops(current, plan.emulations,
+                                            blocking=options.emulate_blocking)
     return current, plans
 
 

@@ -1,17 +1,26 @@
 """Replacing compute ops by emulated-accelerator kernels (``TfOverlapEmulatedCompute``,
-native/emulated_compute.cc).
+native/emulated_compute.cc), and waiting for them where their results leave the stream.
 
 Each replaced node keeps its name, device, data inputs (in order) and control inputs, so
 every consumer and every dependency stays as it was; only what it computes changes: zeros
-of the same dtypes and static shapes, after the given duration.
+of the same dtypes and static shapes, taking the given duration of its stream.
+
+Non-blocking kernels complete at launch, as GPU kernels do for TensorFlow's executor;
+:func:`insert_stream_waits` then puts a ``TfOverlapStreamWait`` between an emulated
+kernel and every consumer that is not one (a host op, a transfer, a collective), which
+forwards the values once the kernel has ended, as a device-to-host copy waits for its
+stream. Control edges from a kernel keep a GPU's meaning: it was launched.
 """
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["EMULATED_OP", "Emulation", "replace_with_emulated_ops"]
+__all__ = ["EMULATED_OP", "STREAM_WAIT_OP", "WAIT_PREFIX", "Emulation",
+           "replace_with_emulated_ops", "insert_stream_waits"]
 
 EMULATED_OP = "TfOverlapEmulatedCompute"
+STREAM_WAIT_OP = "TfOverlapStreamWait"
+WAIT_PREFIX = "tfoverlap/stream_wait/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,9 +34,9 @@ class Emulation:
     stream: int = 0
 
 
-def replace_with_emulated_ops(graph_def, emulations: list[Emulation]):
+def replace_with_emulated_ops(graph_def, emulations: list[Emulation], blocking: bool = False):
     """A copy of ``graph_def`` with each node named in ``emulations`` replaced by an
-    emulated kernel."""
+    emulated kernel (completing at launch, or when it ends if ``blocking``)."""
     from tensorflow.core.framework import graph_pb2
     by_name = {emulation.node: emulation for emulation in emulations}
     new_graph_def = graph_pb2.GraphDef()
@@ -43,6 +52,8 @@ def replace_with_emulated_ops(graph_def, emulations: list[Emulation]):
                              f"{len(emulation.input_dtypes)} in its emulation")
         node.op = EMULATED_OP
         node.ClearField("attr")
+        for name in ("Tin", "Tout", "output_shapes"):
+            node.attr[name].list.SetInParent()     # present even where empty
         node.attr["Tin"].list.type.extend(emulation.input_dtypes)
         node.attr["Tout"].list.type.extend(emulation.output_dtypes)
         for dims in emulation.output_shapes:
@@ -51,5 +62,56 @@ def replace_with_emulated_ops(graph_def, emulations: list[Emulation]):
                 shape.dim.add(size=size)
         node.attr["duration_us"].f = emulation.seconds * 1e6
         node.attr["stream"].i = emulation.stream
+        node.attr["blocking"].b = blocking
         node.attr["original_op"].s = original_op.encode()
     return new_graph_def
+
+
+def _split_input(text: str) -> tuple[str, int]:
+    name, _, slot = text.partition(":")
+    return name, int(slot) if slot else 0
+
+
+def insert_stream_waits(graph_def):
+    """(``graph_def`` with a stream wait before every consumer of a non-blocking emulated
+    kernel that is not one itself, how many waits were added). A copy where any is added;
+    consumers already behind a wait keep theirs (idempotent)."""
+    from tensorflow.core.framework import graph_pb2
+    kernels = {node.name: node for node in graph_def.node
+               if node.op == EMULATED_OP and not node.attr["blocking"].b}
+    consumed: dict[str, set] = {}
+    for node in graph_def.node:
+        if node.op == EMULATED_OP or node.op == STREAM_WAIT_OP:
+            continue
+        for text in node.input:
+            if text.startswith("^"):
+                continue
+            name, slot = _split_input(text)
+            if name in kernels:
+                consumed.setdefault(name, set()).add(slot)
+    if not consumed:
+        return graph_def, 0
+    new_graph_def = graph_pb2.GraphDef()
+    new_graph_def.CopyFrom(graph_def)
+    existing = {node.name for node in graph_def.node}
+    renamed = {}
+    for name, slots in sorted(consumed.items()):
+        kernel = kernels[name]
+        wait_name = WAIT_PREFIX + name
+        if wait_name in existing:
+            raise ValueError(f"{wait_name} exists but does not forward all of {name}'s "
+                             "consumed outputs")
+        order = sorted(slots)
+        wait = new_graph_def.node.add(name=wait_name, op=STREAM_WAIT_OP, device=kernel.device)
+        wait.input.extend(f"{name}:{slot}" for slot in order)
+        wait.attr["T"].list.type.extend(kernel.attr["Tout"].list.type[slot] for slot in order)
+        wait.attr["producers"].list.s.append(name.encode())
+        for position, slot in enumerate(order):
+            renamed[(name, slot)] = f"{wait_name}:{position}"
+    for node in new_graph_def.node:
+        if node.op == EMULATED_OP or node.op == STREAM_WAIT_OP:
+            continue
+        for index, text in enumerate(node.input):
+            if not text.startswith("^") and _split_input(text) in renamed:
+                node.input[index] = renamed[_split_input(text)]
+    return new_graph_def, len(consumed)
