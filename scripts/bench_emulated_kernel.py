@@ -1,8 +1,10 @@
 """How exactly the emulated kernel keeps its durations, and how little CPU it takes.
 
-For each duration, a chain of kernels on one stream (each waits for the one before) runs
-in a session; the step's wall time is compared with the sum of the durations, and the
-process's CPU time per step is reported next to it. A row fails when the wall time is off
+For each duration, a chain of kernels on one stream (each takes the one before as input)
+runs in a session, in both launch modes: "ahead" (complete at launch, a stream wait on the
+last one, as the emulate pass builds it) and "blocking" (each completes when it ends, so
+every hop adds the executor's and the timer's latency). The step's wall time is compared
+with the sum of the durations, and the process's CPU time per step is reported next to it. A row fails when the wall time is off
 by more than ``--tolerance`` (relative) plus ``--slack-us`` per kernel (the timer thread's
 wake-up and the executor's hand-over on a shared VM). Exit status 1 if any row fails.
 
@@ -27,17 +29,20 @@ def main(argv=None) -> int:
     import tensorflow as tf
     from tfoverlap.integrations.emulated_kernel import load_emulated_ops
     ops = load_emulated_ops()
-    print("| duration | kernels | expected ms | measured ms (p10-p90) | error | CPU ms/step | ok |")
-    print("|---|---|---|---|---|---|---|")
+    print("| launch | duration | kernels | expected ms | measured ms (p10-p90) | error | "
+          "CPU ms/step | ok |")
+    print("|---|---|---|---|---|---|---|---|")
     failed = 0
-    for duration in DURATIONS_US:
+    for blocking, duration in [(b, d) for b in (False, True) for d in DURATIONS_US]:
         graph = tf.Graph()
         with graph.as_default():
             value = tf.constant(1.0)
-            for _ in range(args.kernels):
+            for index in range(args.kernels):
                 value = ops.tf_overlap_emulated_compute(
                     [value], Tout=[tf.float32], output_shapes=[[]],
-                    duration_us=float(duration))[0]
+                    duration_us=float(duration), blocking=blocking, name=f"kernel{index}")[0]
+            if not blocking:
+                value = ops.tf_overlap_stream_wait([value], producers=[value.op.name])[0]
         with tf.compat.v1.Session(graph=graph) as session:
             session.run(value)
             walls, cpus = [], []
@@ -53,7 +58,7 @@ def main(argv=None) -> int:
             args.slack_us * 1e-6 * args.kernels)
         failed += not ok
         walls.sort()
-        print(f"| {duration} µs | {args.kernels} | {expected * 1e3:.2f} | {measured * 1e3:.2f} "
+        print(f"| {'blocking' if blocking else 'ahead'} | {duration} µs | {args.kernels} | {expected * 1e3:.2f} | {measured * 1e3:.2f} "
               f"({walls[len(walls) // 10] * 1e3:.2f}-{walls[-1 - len(walls) // 10] * 1e3:.2f}) "
               f"| {error:+.1%} | {statistics.median(cpus) * 1e3:.2f} | "
               f"{'yes' if ok else 'NO'} |", flush=True)
