@@ -4,9 +4,10 @@ For each duration, a chain of kernels on one stream (each takes the one before a
 runs in a session, in both launch modes: "ahead" (complete at launch, a stream wait on the
 last one, as the emulate pass builds it) and "blocking" (each completes when it ends, so
 every hop adds the executor's and the timer's latency). The step's wall time is compared
-with the sum of the durations, and the process's CPU time per step is reported next to it. A row fails when the wall time is off
-by more than ``--tolerance`` (relative) plus ``--slack-us`` per kernel (the timer thread's
-wake-up and the executor's hand-over on a shared VM). Exit status 1 if any row fails.
+with the sum of the durations, and the process's CPU time per step is reported next to
+it. A row fails when the wall time is off by more than ``--tolerance`` (relative) plus
+``--slack-us`` per kernel (the timer thread's wake-up and the executor's hand-over on a
+shared VM). Exit status 1 if any row fails.
 
     .venv/bin/python scripts/bench_emulated_kernel.py [--kernels 20] [--steps 10]
 """
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
             args.slack_us * 1e-6 * args.kernels)
         failed += not ok
         walls.sort()
-        print(f"| {'blocking' if blocking else 'ahead'} | {duration} µs | {args.kernels} | {expected * 1e3:.2f} | {measured * 1e3:.2f} "
+        print(f"| {'blocking' if blocking else 'ahead'} | {duration} µs | {args.kernels} "
+              f"| {expected * 1e3:.2f} | {measured * 1e3:.2f} "
               f"({walls[len(walls) // 10] * 1e3:.2f}-{walls[-1 - len(walls) // 10] * 1e3:.2f}) "
               f"| {error:+.1%} | {statistics.median(cpus) * 1e3:.2f} | "
               f"{'yes' if ok else 'NO'} |", flush=True)

@@ -47,6 +47,10 @@ VARIANTS = {
     "tic_serial": {"tfoverlap": {"schedule": "tic", "credit": 0, "window": 1, "force": True}},
     # Credits, but ordering even where the gain estimate would decline.
     "tic_forced": {"tfoverlap": {"schedule": "tic", "force": True}},
+    # The emulation's check: every worker op replaced by an emulated kernel that takes the
+    # time the default's profile measured for it (a CPU's semantics: the executor waits
+    # for each op; one stream per inter-op thread). The profile path is added per worker.
+    "replay": {"tfoverlap": {"schedule": "none", "emulate_blocking": True}},
 }
 #: what a run compares unless told otherwise.
 DEFAULT_VARIANTS = ("default", "tf_recv_scheduling", "tic", "tac")
@@ -131,10 +135,13 @@ def _profile_path(workdir: str, task: int) -> str:
     return os.path.join(workdir, f"tac-profile-worker{task}.json")
 
 
-def _variant_spec(name: str, workdir: str, task: int) -> dict:
+def _variant_spec(name: str, workdir: str, task: int, config: Configuration) -> dict:
     spec = copy.deepcopy(VARIANTS[name])
     if spec.get("tfoverlap", {}).get("schedule") == "tac":  # TAC's profile, per worker
         spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
+    if name == "replay":
+        spec["tfoverlap"].update(emulate=_profile_path(workdir, task),
+                                 emulate_streams=config.inter_op)
     return spec
 
 
@@ -148,6 +155,9 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown or "default" not in variants:
         raise ValueError(f"variants must include 'default' and come from {list(VARIANTS)}")
+    if config.emulate and "replay" in variants:
+        raise ValueError("the replay variant replays this CPU's own profile: run it "
+                         "without --emulate")
     os.makedirs(workdir, exist_ok=True)
     dilation = (config.dilation or FIRST_DILATION) if config.emulate else 1.0
     link = None if config.bandwidth is None else config.bandwidth / dilation
@@ -160,7 +170,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         for task in range(config.num_workers):
             worker_config = dataclasses.asdict(config)
             worker_config.update(spec=cluster.spec, task=task, dilation=dilation, variants={
-                name: _variant_spec(name, workdir, task) for name in variants})
+                name: _variant_spec(name, workdir, task, config) for name in variants})
             log_path = os.path.join(workdir, f"worker{task}.log")
             with open(log_path, "w") as log:
                 process = cluster.spawn_worker(
@@ -350,6 +360,9 @@ def main(argv=None) -> int:
         if args.batch is not None and args.batch < 1:
             raise ValueError("--batch must be >= 1")
         dilation = parse_dilation(args.dilation, args.emulate)
+        if args.emulate and "replay" in variants:
+            raise ValueError("the replay variant replays this CPU's own profile: run it "
+                             "without --emulate")
     except ValueError as error:
         print(f"tfoverlap bench: {error}", file=sys.stderr)
         return 2

@@ -24,14 +24,18 @@ the resulting ResNet-50 and VGG-16 steps with published throughput.
 
 A JSON device file can be given instead of a name: the same fields, any of them, on top of
 a named model (``"base": "v100"``), and ``op_seconds``, per-op times by node name (for
-example measured on a real GPU, or on this CPU for the emulation's own validation), which
-win over the roofline.
+example measured on a real GPU), which win over the roofline. A profile written by
+``tfoverlap.profile`` is a device file too: it replays the measured op times, and ops it
+did not see take no time (the emulation's own validation replays this CPU's profile).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+
+from tfoverlap.costs.profile import PROFILE_FORMAT, ProfileError, load_profile
 
 __all__ = ["DeviceModel", "DEVICE_MODELS", "MATRIX_OPS", "load_device_model"]
 
@@ -98,6 +102,14 @@ def load_device_model(spec: str) -> DeviceModel:
         raise ValueError(f"emulate: cannot read device file {spec}: {error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"emulate: device file {spec} must hold a JSON object")
+    if data.get("format") == PROFILE_FORMAT:
+        try:
+            profile = load_profile(spec)
+        except ProfileError as error:
+            raise ValueError(f"emulate: {error}") from None
+        return DeviceModel(f"profile {os.path.basename(spec)}", matrix_flops=math.inf,
+                           vector_flops=math.inf, memory_bandwidth=math.inf,
+                           launch_seconds=0.0, op_seconds=dict(profile.op_seconds))
     unknown = sorted(set(data) - {"name", "base", "op_seconds", *_NUMBER_FIELDS})
     if unknown:
         raise ValueError(f"emulate: device file {spec}: unknown field {unknown[0]!r}")
