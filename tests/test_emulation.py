@@ -298,3 +298,22 @@ def test_worker_side_updates_are_emulated_and_ps_side_updates_stay_real():
     with tf.compat.v1.Session(graph=graph) as session:
         session.run(local.init.name)
         session.run(local.train_op.name)
+
+
+def test_a_profile_of_an_emulated_run_holds_the_kernels_stream_times(tmp_path):
+    """Launched kernels complete at once for the executor; the profile (TAC's costs, the
+    simulator's) takes their stream time from the graph instead."""
+    model = build_model("resnet20", batch=8, num_ps=0, worker_device="/cpu:0", training=True,
+                        image_size=32)
+    config = tfoverlap.session_config(schedule="none", emulate="v100", dilation=7)
+    with tf.compat.v1.Session(graph=model.graph, config=config) as session:
+        session.run(model.init)
+        measured = tfoverlap.profile(session, model.fetch, steps=2, worker_device="",
+                                     path=str(tmp_path / "profile.json"))
+    new, _ = tfoverlap.optimize(model.graph.as_graph_def(), fetch=[model.fetch.name],
+                                schedule="none", emulate="v100", dilation=7)
+    durations = {n.name: n.attr["duration_us"].f * 1e-6 for n in new.node
+                 if n.op == EMULATED_OP and n.attr["original_op"].s == b"Conv2DBackpropFilter"}
+    assert durations
+    for name, seconds in durations.items():
+        assert measured.op_seconds[name] == pytest.approx(seconds, rel=1e-6), name
