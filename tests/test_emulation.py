@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import tfoverlap
 from tfoverlap.costs.accelerators import DEVICE_MODELS, load_device_model
+from tfoverlap.costs.trace import emulated_kernels, step_timeline
 from tfoverlap.graph.verify import verify_graph_def
 from tfoverlap.integrations.emulated_kernel import load_emulated_ops
 from tfoverlap.rewriters.emulated_ops import EMULATED_OP
@@ -310,6 +311,21 @@ def test_a_profile_of_an_emulated_run_holds_the_kernels_stream_times(tmp_path):
         session.run(model.init)
         measured = tfoverlap.profile(session, model.fetch, steps=2, worker_device="",
                                      path=str(tmp_path / "profile.json"))
+        metadata = tf.compat.v1.RunMetadata()
+        session.run(model.fetch, options=tf.compat.v1.RunOptions(
+            trace_level=tf.compat.v1.RunOptions.FULL_TRACE, output_partition_graphs=True),
+            run_metadata=metadata)
+    # The step's timeline shows the kernels as they occupy the stream, one after another,
+    # and not the waits.
+    compute = sorted(step_timeline(metadata)["compute"], key=lambda entry: entry[1])
+    assert not any(entry[0].startswith("tfoverlap/stream_wait/") for entry in compute)
+    kernels = emulated_kernels(metadata)
+    streamed = [entry for entry in compute if entry[0] in kernels]
+    assert len(streamed) > 50
+    assert all(entry[2] == round(kernels[entry[0]].seconds * 1e6) for entry in streamed)
+    overlaps = [(earlier, later) for earlier, later in zip(streamed, streamed[1:])
+                if later[1] < earlier[1] + earlier[2]]
+    assert not overlaps, overlaps[:3]
     new, _ = tfoverlap.optimize(model.graph.as_graph_def(), fetch=[model.fetch.name],
                                 schedule="none", emulate="v100", dilation=7)
     durations = {n.name: n.attr["duration_us"].f * 1e-6 for n in new.node

@@ -172,7 +172,9 @@ class Worker:
         from tfoverlap.costs.trace import observed_transfer_order, step_timeline
         tf = self.tf
         metadata = tf.compat.v1.RunMetadata()
-        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+                                          output_partition_graphs=bool(self.config.get(
+                                              "emulate")))
         start = time.perf_counter()
         self.session(command["variant"]).run(self.model.fetch, options=options,
                                              run_metadata=metadata)

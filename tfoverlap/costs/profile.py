@@ -13,14 +13,12 @@ import os
 import statistics
 from typing import Mapping
 
-from tfoverlap.costs.trace import device_filter, op_durations, recv_events
+from tfoverlap.costs.trace import device_filter, emulated_kernels, op_durations, recv_events
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileError", "load_profile",
            "save_profile", "profile"]
 
 PROFILE_FORMAT = "tfoverlap-profile"
-#: the op type of emulated-accelerator kernels (native/emulated_compute.cc).
-EMULATED_OP = "TfOverlapEmulatedCompute"
 PROFILE_VERSION = 1
 
 
@@ -119,7 +117,8 @@ def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
     for _ in range(steps):
         metadata = tf.compat.v1.RunMetadata()
         session.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
-        stream_seconds = _emulated_kernel_seconds(metadata)
+        stream_seconds = {name: kernel.seconds
+                          for name, kernel in emulated_kernels(metadata).items()}
         for name, micros in op_durations(metadata, worker_device).items():
             op_samples.setdefault(name, []).append(stream_seconds.get(name, micros * 1e-6))
         for event in recv_events(metadata):
@@ -136,9 +135,3 @@ def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
         save_profile(result, path)
     return result
 
-
-def _emulated_kernel_seconds(metadata) -> dict[str, float]:
-    """Node name -> stream seconds of the emulated kernels in a step's partition graphs."""
-    return {node.name: node.attr["duration_us"].f * 1e-6
-            for graph in metadata.partition_graphs for node in graph.node
-            if node.op == EMULATED_OP}

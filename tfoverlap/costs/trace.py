@@ -16,7 +16,12 @@ import re
 from tfoverlap.graph.devices import DeviceMatcher
 
 __all__ = ["RecvEvent", "recv_events", "observed_transfer_order", "op_durations",
-           "op_start_order", "step_timeline", "device_filter", "profiled_op_starts"]
+           "op_start_order", "step_timeline", "device_filter", "profiled_op_starts",
+           "EMULATED_OP", "STREAM_WAIT_OP", "EmulatedKernel", "emulated_kernels"]
+
+#: the op types of emulated-accelerator kernels and their waits (native/emulated_compute.cc).
+EMULATED_OP = "TfOverlapEmulatedCompute"
+STREAM_WAIT_OP = "TfOverlapStreamWait"
 
 _RECV_LABEL = re.compile(
     r"\[(?P<size>[0-9.]+)(?P<unit>[KMG]?B)\].*?edge_\d+_(?P<source>\S+?)(?::\d+)? from "
@@ -32,6 +37,42 @@ class RecvEvent:
     bytes: int
     start_micros: int
     duration_micros: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EmulatedKernel:
+    device: str
+    stream: int
+    seconds: float       # the stream time it takes (dilation applied)
+
+
+def emulated_kernels(run_metadata) -> dict[str, EmulatedKernel]:
+    """The emulated kernels of a step traced with ``output_partition_graphs=True``, by
+    node name. A launched kernel completes for the executor at once; its stream time is
+    in the graph, not in the step stats."""
+    return {node.name: EmulatedKernel(node.device, node.attr["stream"].i,
+                                      node.attr["duration_us"].f * 1e-6)
+            for graph in run_metadata.partition_graphs for node in graph.node
+            if node.op == EMULATED_OP}
+
+
+def _stream_intervals(run_metadata, kernels: dict) -> dict[str, tuple[int, int]]:
+    """Node -> (start, duration) in µs of each emulated kernel on its stream: launched in
+    the order the step stats show, each starting when launched and its stream is free
+    (the stream is taken as idle when the step began)."""
+    launches = sorted((node.all_start_micros, node.node_name)
+                      for device_stats in _step_stats(run_metadata).dev_stats
+                      for node in device_stats.node_stats if node.node_name in kernels)
+    busy: dict = {}
+    intervals = {}
+    for launched, name in launches:
+        kernel = kernels[name]
+        key = (kernel.device, kernel.stream)
+        start = max(launched, busy.get(key, 0))
+        duration = int(round(kernel.seconds * 1e6))
+        busy[key] = start + duration
+        intervals[name] = (start, duration)
+    return intervals
 
 
 def device_filter(spec: str):
@@ -111,12 +152,20 @@ def op_start_order(run_metadata, devices: str, names) -> list[str]:
 def step_timeline(run_metadata, devices: str = "") -> dict:
     """One traced step as plain lists, times in microseconds since its first event:
 
-    ``compute``: [node name, start, duration] of ops on matching devices,
+    ``compute``: [node name, start, duration] of ops on matching devices (emulated kernels
+    as they occupy their stream, where the step was traced with its partition graphs),
     ``transfers``: [source node, start, duration, bytes] of data received by them.
     """
     matches = device_filter(devices)
+    kernels = emulated_kernels(run_metadata)
+    stream = _stream_intervals(run_metadata, kernels) if kernels else {}
     compute = []
     for node in _op_stats(run_metadata, devices):
+        if node.node_name in stream:
+            compute.append([node.node_name, *stream[node.node_name]])
+            continue
+        if node.timeline_label.startswith(f"{node.node_name} = {STREAM_WAIT_OP}"):
+            continue     # waiting for the stream, not computing
         duration = node.op_end_rel_micros - node.op_start_rel_micros
         if duration > 0:
             compute.append([node.node_name, node.all_start_micros + node.op_start_rel_micros,

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from tfoverlap.costs.profile import EMULATED_OP
+from tfoverlap.costs.trace import EMULATED_OP, STREAM_WAIT_OP
 
 __all__ = ["EMULATED_OP", "STREAM_WAIT_OP", "WAIT_PREFIX", "Emulation",
            "replace_with_emulated_ops", "insert_stream_waits"]
 
-STREAM_WAIT_OP = "TfOverlapStreamWait"
 WAIT_PREFIX = "tfoverlap/stream_wait/"
 
 
