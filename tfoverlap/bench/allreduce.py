@@ -19,7 +19,8 @@ with 95% bootstrap intervals. Results go to CSV, Markdown, JSON and a PNG.
 device file) puts every variant's heavy compute on emulated accelerators, with the
 dilation K that ``--dilation auto`` chooses by short calibration jobs (the host's CPUs at
 most 60% busy, :mod:`tfoverlap.bench.dilation`); links are then given in emulated units and
-shaped to 1/K of that, and times are reported in emulated seconds.
+shaped to 1/K of that, Horovod's cycle is K times its own, and times are reported in
+emulated seconds.
 """
 from __future__ import annotations
 
@@ -94,15 +95,17 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
         description = network.describe()
         progress(f"{model} at {link_name(bandwidth)}: {description}; side-by-side job")
         main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
-                                                  str(steps), "--variants", variants], {},
-                               timeout, os.path.join(workdir, "main-job.log"))
+                                                  str(steps), "--variants", variants],
+                               dilated_horovod_env(dilation), timeout,
+                               os.path.join(workdir, "main-job.log"))
         tuned = None
         if autotune:
             progress(f"{model}: autotune job")
             log = os.path.join(workdir, "autotune.csv")
             tuned = _worker_job(network, common + [
                 "--variants", "autotune", "--rounds", "1", "--steps", str(rounds * steps),
-                "--warmup", str(AUTOTUNE_WARMUP)], {**AUTOTUNE_ENV, "HOROVOD_AUTOTUNE_LOG": log},
+                "--warmup", str(AUTOTUNE_WARMUP)], {**dilated_horovod_env(dilation),
+                                                    **AUTOTUNE_ENV, "HOROVOD_AUTOTUNE_LOG": log},
                 timeout, os.path.join(workdir, "autotune-job.log"))
             tuned["autotune_log_tail"] = _tail(log)
     times = dict(main_job["times"])
@@ -119,6 +122,16 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
             "autotune": tuned and tuned["autotune_log_tail"]}
 
 
+def dilated_horovod_env(dilation: float) -> dict:
+    """Horovod's own clock dilated too: its cycle (HOROVOD_CYCLE_TIME, 1 ms by default),
+    which drives negotiation whether or not there is work, runs K times slower in wall
+    time; otherwise 8 idle ranks' cycles alone keep 2 cores busy at any dilation."""
+    if dilation == 1:
+        return {}
+    from tfoverlap.planning.caramel import horovod_cycle_seconds
+    return {"HOROVOD_CYCLE_TIME": f"{horovod_cycle_seconds(0.0) * 1e3 * dilation:g}"}
+
+
 def _choose_dilation(network, common: list[str], emulate: str, dilation: float,
                      bandwidth: float | None, workdir: str,
                      timeout: float) -> tuple[float, list]:
@@ -130,8 +143,8 @@ def _choose_dilation(network, common: list[str], emulate: str, dilation: float,
             network.set_bandwidth(bandwidth / dilation)
         job = _worker_job(network, common + [
             "--variants", "horovod", "--rounds", "1", "--steps", "4", "--warmup", "2",
-            "--emulate", emulate, "--dilation", str(dilation)], {}, timeout,
-            os.path.join(workdir, f"calibration-{dilation:g}.log"))
+            "--emulate", emulate, "--dilation", str(dilation)], dilated_horovod_env(dilation),
+            timeout, os.path.join(workdir, f"calibration-{dilation:g}.log"))
         tried.append((dilation, job["host_busy"]))
         progress(f"dilation {dilation:g}: host CPUs {job['host_busy']:.0%} busy")
         following = next_dilation(dilation, job["host_busy"])
