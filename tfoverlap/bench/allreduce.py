@@ -56,6 +56,9 @@ EMULATED_BATCH = {"resnet50": 64, "inception_v3": 64, "vgg16": 32, "transformer"
 def _worker_job(network, argv: list[str], env: dict, timeout: float, log_path: str) -> dict:
     from tfoverlap.testbed.horovod_launch import run_horovod
     command = [sys.executable, "-m", "tfoverlap.bench.allreduce_worker"] + argv
+    # Eight ranks building six variants' graphs on two cores are minutes apart: Gloo's
+    # 30 s default would end the job while the first ranks wait for the last.
+    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "900", **env}
     result = run_horovod(network, network.num_hosts, command, "gloo", env=env,
                          timeout=timeout)
     with open(log_path, "w") as log:
