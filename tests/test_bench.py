@@ -63,8 +63,11 @@ def test_bad_benchmark_options_are_one_line_errors(capsys):
     assert ps.main(["--models", "seq32:sideways"]) == 2
     assert ps.main(["--bandwidth=-3Gbit"]) == 2
     assert ps.main(["--workers", "0"]) == 2
+    assert ps.main(["--ps", "2", "--variants", "default,tf_recv_scheduling"]) == 2
+    assert ps.main(["--emulate", "v100", "--variants", "default,replay"]) == 2
+    assert ps.main(["--emulate", "t1000"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 4 and all(line.startswith("tfoverlap bench: ") for line in errors)
+    assert len(errors) == 7 and all(line.startswith("tfoverlap bench: ") for line in errors)
 
 
 class _Variable:

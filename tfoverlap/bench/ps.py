@@ -360,6 +360,11 @@ def main(argv=None) -> int:
         if args.batch is not None and args.batch < 1:
             raise ValueError("--batch must be >= 1")
         dilation = parse_dilation(args.dilation, args.emulate)
+        if args.ps > 1 and "tf_recv_scheduling" in variants:
+            # TensorFlow 2.15 aborts (costmodel.cc: "no time estimate for .../replicate/_1")
+            # when recv scheduling meets the constants it replicates to a second PS task.
+            raise ValueError("tf_recv_scheduling aborts TensorFlow 2.15 with more than one "
+                             "PS task; leave it out of --variants")
         if args.emulate and "replay" in variants:
             raise ValueError("the replay variant replays this CPU's own profile: run it "
                              "without --emulate")
