@@ -333,3 +333,42 @@ def test_a_profile_of_an_emulated_run_holds_the_kernels_stream_times(tmp_path):
     assert durations
     for name, seconds in durations.items():
         assert measured.op_seconds[name] == pytest.approx(seconds, rel=1e-6), name
+
+
+_HOROVOD_STEP = """
+import sys
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+tf.compat.v1.disable_eager_execution()
+hvd.init()
+x = tf.constant(np.ones((64, 1024), np.float32))
+w = tf.compat.v1.get_variable("w", [1024, 1024])
+loss = tf.reduce_sum(tf.matmul(x, w))
+(gradient,) = tf.gradients(loss, [w])
+reduced = hvd.allreduce(gradient, op=hvd.Sum, name="reduced")
+grouped = hvd.grouped_allreduce([gradient * 2.0, gradient * 3.0], op=hvd.Sum)
+train = tf.group(tf.compat.v1.assign_sub(w, reduced), *grouped, name="train")
+open(sys.argv[1], "wb").write(tf.compat.v1.get_default_graph().as_graph_def().SerializeToString())
+"""
+
+
+def test_horovod_collectives_stay_real(tmp_path):
+    """Horovod's ops are not stateful to TensorFlow, and they are what is measured: never
+    emulated, while the matmul and its gradients next to them are, with waits between."""
+    from helpers import build_horovod_graph
+    path = tmp_path / "graph.pb"
+    build_horovod_graph(_HOROVOD_STEP, path)
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.ParseFromString(path.read_bytes())
+    new, report = tfoverlap.optimize(graph_def, fetch=["train"], schedule="none",
+                                     emulate="v100")
+    collectives = [n for n in graph_def.node if n.op.startswith("Horovod")]
+    assert len(collectives) >= 2
+    after = {n.name: n for n in new.node}
+    for node in collectives:
+        assert after[node.name].op == node.op, node.name
+        assert all(text.split(":")[0].startswith("tfoverlap/stream_wait/")
+                   or after[text.lstrip("^").split(":")[0]].op != EMULATED_OP
+                   for text in after[node.name].input), after[node.name].input
+    assert report.passes[0].summary["emulated_op_types"].get("MatMul", 0) >= 1

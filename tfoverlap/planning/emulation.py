@@ -6,10 +6,12 @@ shape. What stays real:
 
 - anything on a PS device (reads, updates) or colocated with a stateful node (a
   variable's initializer and updates);
-- stateful ops (variables and their reads, Horovod's collectives, input pipelines,
-  random numbers) and ops reading resources, variants or strings, except the optimizer's
-  updates of variables on a worker (Horovod's replicated weights: on a GPU cluster the
-  update is GPU work), emulated as memory-bound ops that leave the variable as it was;
+- Horovod's and TensorFlow's collectives (not stateful to TensorFlow, but the
+  communication being measured), stateful ops (variables and their reads, input
+  pipelines, random numbers) and ops reading resources, variants or strings, except the
+  optimizer's updates of variables on a worker (Horovod's replicated weights: on a GPU
+  cluster the update is GPU work), emulated as memory-bound ops that leave the variable
+  as it was;
 - control flow (Switch, Merge, Enter, Exit, NextIteration, LoopCond) and every op with a
   non-floating output (predicates, shapes, indices);
 - feeds, fetches and kept nodes, views (Reshape, Identity ...), constants, tfoverlap's
@@ -50,6 +52,8 @@ _KEPT_OPS = frozenset({
     "OnesLike", "Fill", "BroadcastTo", "_Send", "_Recv", "_HostSend", "_HostRecv",
     EMULATED_OP})
 _OWN_PREFIX = "tfoverlap/"
+#: communication ops, which TensorFlow does not mark stateful (Horovod's are not).
+_COLLECTIVE_PREFIXES = ("Horovod", "Collective", "Nccl", "_Nccl")
 #: outputs whose static shape TensorFlow leaves open, though the CPU kernel always gives
 #: this one (the reserve space of training batch norm, which only cuDNN uses; also in the
 #: batch norm + activation that Grappler's remapper fuses before TfOverlap runs).
@@ -110,8 +114,9 @@ def _update_bytes(shapes: OpShapes) -> float:
 
 
 def _emulable(node, shapes: OpShapes | None, is_ps, preserved, ops: dict) -> bool:
-    if (shapes is None or node.op in _KEPT_OPS or node.name.startswith(_OWN_PREFIX)
-            or node.name in preserved or is_ps(node.device)):
+    if (shapes is None or node.op in _KEPT_OPS or node.op.startswith(_COLLECTIVE_PREFIXES)
+            or node.name.startswith(_OWN_PREFIX) or node.name in preserved
+            or is_ps(node.device)):
         return False
     if _is_update(node, shapes):
         return True          # colocated with its own variable
