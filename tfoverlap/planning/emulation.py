@@ -41,7 +41,8 @@ MIN_FLOPS = 1e6
 MIN_BYTES = 256 * 2 ** 10
 
 _FLOATING = frozenset({1, 2, 14, 19})            # float, double, bfloat16, half
-_OPAQUE = frozenset({7, 20, 21})                 # string, resource, variant
+_RESOURCE = 20
+_OPAQUE = frozenset({7, _RESOURCE, 21})          # string, resource, variant
 _KEPT_OPS = frozenset({
     STREAM_WAIT_OP,
     "Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond", "RefSwitch",
@@ -109,7 +110,7 @@ def _update_bytes(shapes: OpShapes) -> float:
     gradient = max((math.prod(dims) * dtype_bytes(dtype)
                     for dims, dtype in zip(shapes.input_shapes, shapes.input_dtypes)
                     if dims is not None and dtype not in _OPAQUE), default=0)
-    slots = max(0, sum(1 for dtype in shapes.input_dtypes if dtype == 20) - 1)
+    slots = max(0, sum(1 for dtype in shapes.input_dtypes if dtype == _RESOURCE) - 1)
     return float(gradient * (2 * (1 + slots) + 1))
 
 
