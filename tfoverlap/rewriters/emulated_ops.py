@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from tfoverlap.costs.trace import EMULATED_OP, STREAM_WAIT_OP
+from tfoverlap.graph.model import parse_input
 
 __all__ = ["EMULATED_OP", "STREAM_WAIT_OP", "WAIT_PREFIX", "Emulation",
            "replace_with_emulated_ops", "insert_stream_waits"]
@@ -67,11 +68,6 @@ def replace_with_emulated_ops(graph_def, emulations: list[Emulation], blocking: 
     return new_graph_def
 
 
-def _split_input(text: str) -> tuple[str, int]:
-    name, _, slot = text.partition(":")
-    return name, int(slot) if slot else 0
-
-
 def insert_stream_waits(graph_def):
     """(``graph_def`` with a stream wait before every consumer of a non-blocking emulated
     kernel that is not one itself, how many waits were added). A copy where any is added;
@@ -84,10 +80,8 @@ def insert_stream_waits(graph_def):
         if node.op == EMULATED_OP or node.op == STREAM_WAIT_OP:
             continue
         for text in node.input:
-            if text.startswith("^"):
-                continue
-            name, slot = _split_input(text)
-            if name in kernels:
+            name, slot, control = parse_input(text)
+            if not control and name in kernels:
                 consumed.setdefault(name, set()).add(slot)
     if not consumed:
         return graph_def, 0
@@ -112,6 +106,7 @@ def insert_stream_waits(graph_def):
         if node.op == EMULATED_OP or node.op == STREAM_WAIT_OP:
             continue
         for index, text in enumerate(node.input):
-            if not text.startswith("^") and _split_input(text) in renamed:
-                node.input[index] = renamed[_split_input(text)]
+            name, slot, control = parse_input(text)
+            if not control and (name, slot) in renamed:
+                node.input[index] = renamed[(name, slot)]
     return new_graph_def, len(consumed)
