@@ -66,6 +66,9 @@ def test_every_gradient_lands_in_one_bucket_and_updates_wait_only_for_their_own(
     grouped = [n for n in rewritten.node if n.op == "HorovodGroupedAllreduce"]
     assert sum(n.attr["num_tensors"].i for n in grouped) == 7
     assert ops.count("HorovodAllreduce") == 2            # only the plan check's two
+    from tfoverlap.rewriters.allreduce_grouping import is_plan_check
+    assert all(is_plan_check(n.name) for n in rewritten.node if n.op == "HorovodAllreduce")
+    assert not any(is_plan_check(n.name) for n in grouped)
     model = GraphModel.from_graph_def(rewritten)
     for node in rewritten.node:
         if node.op == "AssignSubVariableOp":
@@ -366,23 +369,10 @@ def test_buckets_and_their_order_show_in_horovods_timeline(network, tmp_path, mo
 
 
 def _timeline_rows(text: str) -> dict:
-    """Horovod's timeline: per tensor, the begin times of its ALLREDUCE phases and bytes."""
-    events = json.loads(text.rstrip().rstrip(",") + ("" if text.rstrip().endswith("]")
-                                                     else "]"))
-    names = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("name") == "process_name" and "name" in e.get("args", {})}
-    rows = {name: {"starts": [], "bytes": 0} for name in names.values()}
-    for event in events:
-        name = names.get(event.get("pid"))
-        if name is None:
-            continue
-        if event.get("ph") == "B" and event.get("name") == "ALLREDUCE":
-            rows[name]["starts"].append(event["ts"])
-        args = event.get("args", {})
-        if event.get("ph") == "E" and "shape" in args and not rows[name]["bytes"]:
-            dims = [int(d) for d in args["shape"].strip("[]").split(",") if d.strip()]
-            rows[name]["bytes"] = 4 * int(np.prod(dims)) if dims else 4
-    return rows
+    """Horovod's timeline: per tensor, the begin times of its reductions and its bytes."""
+    from tfoverlap.costs.horovod_timeline import read_timeline
+    return {name: {"starts": [begin for begin, _ in record.reductions], "bytes": record.bytes}
+            for name, record in read_timeline(text).items()}
 
 
 def test_ranks_with_different_plans_fail_with_a_clear_error(network):

@@ -17,7 +17,8 @@ from tfoverlap.graph.devices import DeviceMatcher
 
 __all__ = ["RecvEvent", "recv_events", "observed_transfer_order", "op_durations",
            "op_start_order", "step_timeline", "device_filter", "profiled_op_starts",
-           "EMULATED_OP", "STREAM_WAIT_OP", "EmulatedKernel", "emulated_kernels"]
+           "EMULATED_OP", "STREAM_WAIT_OP", "EmulatedKernel", "emulated_kernels",
+           "step_span", "op_type_starts"]
 
 #: the op types of emulated-accelerator kernels and their waits (native/emulated_compute.cc).
 EMULATED_OP = "TfOverlapEmulatedCompute"
@@ -44,6 +45,7 @@ class EmulatedKernel:
     device: str
     stream: int
     seconds: float       # the stream time it takes (dilation applied)
+    blocking: bool = False     # completes when it ends: its step stats show its time
 
 
 def emulated_kernels(run_metadata) -> dict[str, EmulatedKernel]:
@@ -51,7 +53,8 @@ def emulated_kernels(run_metadata) -> dict[str, EmulatedKernel]:
     node name. A launched kernel completes for the executor at once; its stream time is
     in the graph, not in the step stats."""
     return {node.name: EmulatedKernel(node.device, node.attr["stream"].i,
-                                      node.attr["duration_us"].f * 1e-6)
+                                      node.attr["duration_us"].f * 1e-6,
+                                      node.attr["blocking"].b)
             for graph in run_metadata.partition_graphs for node in graph.node
             if node.op == EMULATED_OP}
 
@@ -149,15 +152,36 @@ def op_start_order(run_metadata, devices: str, names) -> list[str]:
     return sorted(starts, key=lambda name: (starts[name], name))
 
 
-def step_timeline(run_metadata, devices: str = "") -> dict:
-    """One traced step as plain lists, times in microseconds since its first event:
+def step_span(run_metadata, devices: str = "") -> tuple[int, int]:
+    """(first op start, last op end) of a traced step on matching devices, in
+    microseconds since the epoch."""
+    nodes = list(_op_stats(run_metadata, devices))
+    if not nodes:
+        raise ValueError("the trace has no ops")
+    return (min(node.all_start_micros for node in nodes),
+            max(node.all_start_micros + node.all_end_rel_micros for node in nodes))
+
+
+def op_type_starts(run_metadata, op_types, devices: str = "") -> list[tuple[int, str]]:
+    """(start in µs since the epoch, node name) of the ops of the given types, in order:
+    for Horovod's AllReduce ops, when each gradient was handed to Horovod."""
+    wanted = set(op_types)
+    return sorted((node.all_start_micros, node.node_name)
+                  for node in _op_stats(run_metadata, devices)
+                  if node.timeline_label.partition(" = ")[2].partition("(")[0] in wanted)
+
+
+def step_timeline(run_metadata, devices: str = "", origin: int | None = None) -> dict:
+    """One traced step as plain lists, times in microseconds since its first event (or
+    since ``origin``, µs since the epoch):
 
     ``compute``: [node name, start, duration] of ops on matching devices (emulated kernels
     as they occupy their stream, where the step was traced with its partition graphs),
     ``transfers``: [source node, start, duration, bytes] of data received by them.
     """
     matches = device_filter(devices)
-    kernels = emulated_kernels(run_metadata)
+    kernels = {name: kernel for name, kernel in emulated_kernels(run_metadata).items()
+               if not kernel.blocking}
     stream = _stream_intervals(run_metadata, kernels) if kernels else {}
     compute = []
     for node in _op_stats(run_metadata, devices):
@@ -173,7 +197,8 @@ def step_timeline(run_metadata, devices: str = "") -> dict:
     transfers = [[e.source, e.start_micros, e.duration_micros, e.bytes]
                  for e in recv_events(run_metadata)
                  if matches(e.destination_device) and e.bytes > 0]
-    origin = min([c[1] for c in compute] + [t[1] for t in transfers], default=0)
+    if origin is None:
+        origin = min([c[1] for c in compute] + [t[1] for t in transfers], default=0)
     for event in compute + transfers:
         event[1] -= origin
     return {"compute": compute, "transfers": transfers}

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Sequence
 
 __all__ = ["CARAMEL_ATTR", "PREFIX", "CHECK_LENGTH", "GROUP_ATTRS", "BucketPieces",
-           "free_prefix", "group_allreduces", "add_plan_check"]
+           "free_prefix", "group_allreduces", "add_plan_check", "is_plan_check"]
 
 CARAMEL_ATTR = "_tfoverlap_caramel"
 PREFIX = "tfoverlap/caramel/"
@@ -195,6 +195,11 @@ def group_allreduces(graph_def, buckets: Sequence[BucketPieces],
             del node.input[:]
             node.input.extend(data + control)
     return rewritten
+
+
+def is_plan_check(node_name: str) -> bool:
+    """Whether ``node_name`` is a node of a plan check (under any prefix)."""
+    return node_name.startswith("tfoverlap/") and "/plan_check/" in node_name
 
 
 def add_plan_check(graph_def, vector: Sequence[int], message: str, gated: Sequence[str],

@@ -1,0 +1,87 @@
+"""Reading Horovod's timeline and splitting a step into compute, ring, waits and tail."""
+import json
+
+import pytest
+
+from tfoverlap.costs.horovod_timeline import (covered_micros, read_timeline,
+                                              step_breakdown)
+
+ORIGIN = 1_000_000
+
+
+def _timeline(tensors: dict, closed: bool = False) -> str:
+    """A timeline as Horovod writes it: tensor -> [(phase, begin, end)] in µs."""
+    events = [{"name": "process_name", "ph": "M", "pid": 0,
+               "args": {"start_time_since_epoch_in_micros": ORIGIN}}]
+    for pid, (name, phases) in enumerate(tensors.items(), start=1):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        for phase, begin, end in phases:
+            events.append({"ph": "B", "name": phase, "ts": begin, "pid": pid})
+            if phase == "ALLREDUCE":    # nested activity, as Horovod writes it
+                events.append({"ph": "B", "name": "GLOO_ALLREDUCE", "ts": begin + 1,
+                               "pid": pid})
+                events.append({"ph": "E", "ts": end - 1, "pid": pid})
+                events.append({"ph": "E", "ts": end, "pid": pid,
+                               "args": {"dtype": "float32", "shape": "[10, 10]"}})
+            else:
+                events.append({"ph": "E", "ts": end, "pid": pid})
+    text = "[\n" + ",\n".join(json.dumps(e) for e in events) + ","
+    return text[:-1] + "]" if closed else text
+
+
+def test_a_timeline_gives_each_tensors_phases_on_the_epoch_clock():
+    text = _timeline({"grad_a": [("NEGOTIATE_ALLREDUCE", 100, 150), ("ALLREDUCE", 160, 400)],
+                      "grad_b": [("NEGOTIATE_ALLREDUCE", 120, 150), ("ALLREDUCE", 161, 400)]})
+    for variant in (text, text.rstrip(",") + "]"):      # still being written, or closed
+        records = read_timeline(variant)
+        assert records["grad_a"].negotiations == [(ORIGIN + 100, ORIGIN + 150)]
+        # The nested GLOO_ALLREDUCE is part of the reduction, not a reduction of its own.
+        assert records["grad_a"].reductions == [(ORIGIN + 160, ORIGIN + 400)]
+        assert records["grad_b"].bytes == 400
+
+
+@pytest.mark.parametrize("text", ["", "{not json", '{"a": 1}'])
+def test_a_corrupt_timeline_is_a_clear_error(text):
+    with pytest.raises(ValueError, match="not a Horovod timeline"):
+        read_timeline(text)
+
+
+def test_covered_time_is_the_union_inside_the_window():
+    assert covered_micros([(0, 10), (5, 20), (30, 40)], (0, 100)) == 30
+    assert covered_micros([(0, 10), (5, 20), (30, 40)], (8, 35)) == 17
+    assert covered_micros([], (0, 10)) == 0
+
+
+def test_a_step_splits_into_compute_and_a_tail_of_ring_waits_and_updates():
+    # Step 0-1000 µs: gradients at 200, 500, 700; two fused requests and a late one.
+    records = read_timeline(_timeline({
+        "a": [("NEGOTIATE_ALLREDUCE", 200, 230), ("ALLREDUCE", 240, 400)],
+        "b": [("NEGOTIATE_ALLREDUCE", 500, 520), ("ALLREDUCE", 530, 690)],
+        "c": [("NEGOTIATE_ALLREDUCE", 505, 520), ("ALLREDUCE", 531, 690)],
+        "d": [("NEGOTIATE_ALLREDUCE", 700, 760), ("ALLREDUCE", 800, 900)],
+        # From another step: outside the window, ignored.
+        "e": [("NEGOTIATE_ALLREDUCE", 2000, 2010), ("ALLREDUCE", 2020, 2100)]}))
+    part = step_breakdown(ORIGIN, ORIGIN + 1000, [ORIGIN + t for t in (200, 500, 505, 700)],
+                          records)
+    assert part.step == pytest.approx(1e-3)
+    assert part.first_gradient == pytest.approx(200e-6)
+    assert part.until_last_gradient == pytest.approx(700e-6)
+    assert part.tail == pytest.approx(300e-6)
+    assert part.tail_ring == pytest.approx(100e-6)          # 800-900
+    assert part.tail_wait == pytest.approx(100e-6)          # 700-800: negotiating, waiting
+    assert part.after_last_reduction == pytest.approx(100e-6)
+    assert part.tail == pytest.approx(part.tail_ring + part.tail_wait
+                                      + part.after_last_reduction)
+    assert part.ring == pytest.approx((160 + 160 + 100) * 1e-6)
+    assert part.ring_idle == pytest.approx((700 - 420) * 1e-6)     # 200-900 minus the ring
+    assert part.negotiation == pytest.approx((30 + 20 + 60) * 1e-6)
+    assert part.requests == 3                                # b and c reduced together
+    # Never idle after the first gradient: 200 + 420 µs of ring, then 100 µs of updates.
+    assert part.overlap_bound == pytest.approx(max(700, 200 + 420) * 1e-6 + 100e-6)
+
+
+def test_a_step_without_gradients_is_a_clear_error():
+    with pytest.raises(ValueError, match="no gradient"):
+        step_breakdown(ORIGIN, ORIGIN + 1000, [ORIGIN + 5000], {})
+    with pytest.raises(ValueError, match="no length"):
+        step_breakdown(ORIGIN, ORIGIN, [ORIGIN], {})
