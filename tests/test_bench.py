@@ -101,24 +101,49 @@ def test_bad_horovod_benchmark_options_are_one_line_errors(capsys, argv, message
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_horovod_benchmark_worker_end_to_end():
+def test_horovod_benchmark_worker_end_to_end(tmp_path):
     """One round of the Horovod benchmark's worker on 2 Gloo ranks (loopback): every
-    variant is timed and rank 0 reports what Caramel planned."""
+    variant is timed, rank 0 reports what Caramel planned, and its traced steps line up
+    with Horovod's timeline into a breakdown."""
     import json
     import sys
+    from tfoverlap.bench.allreduce import traced_breakdowns
+    from tfoverlap.costs.horovod_timeline import read_timeline
     from tfoverlap.testbed.horovod_launch import run_horovod
     from tfoverlap.testbed.network import EmulatedNetwork
+    timeline = str(tmp_path / "timeline.json")
     with EmulatedNetwork(2, loopback=True) as network:
         result = run_horovod(network, 2, [
             sys.executable, "-m", "tfoverlap.bench.allreduce_worker", "--model", "transformer",
             "--batch", "2", "--variants", "horovod,caramel", "--rounds", "1", "--steps", "1",
-            "--warmup", "1"], controller="gloo", timeout=400)
+            "--warmup", "1", "--trace-timeline", timeline, "--traced-steps", "2"],
+            controller="gloo", timeout=400, env={"HOROVOD_TIMELINE": "DYNAMIC"})
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
     record = json.loads(next(line for line in result.outputs[0].splitlines()
                              if line.startswith("{")))
     assert set(record["times"]) == {"horovod", "caramel"}
     assert all(len(times) == 1 for times in record["times"].values())
     assert record["caramel"]["caramel"]["allreduces"] == record["tensors"]
+    breakdowns, figures = traced_breakdowns(record["traced"], timeline)
+    assert set(breakdowns) == set(figures) == {"horovod", "caramel"}
+    with open(timeline) as stream:
+        records = read_timeline(stream.read())
+    for variant, part in breakdowns.items():
+        steps = record["traced"][variant]
+        assert len(steps) == 2 and all(len(s["ready"]) >= 1 for s in steps)
+        assert part["step"] == pytest.approx(part["until_last_gradient"] + part["tail"])
+        assert part["tail"] == pytest.approx(part["tail_ring"] + part["tail_wait"]
+                                             + part["after_last_reduction"], abs=1e-9)
+        assert part["requests"] >= 1 and 0 < part["ring"] <= part["step"]
+        assert part["overlap_bound"] <= part["step"] * (1 + 1e-9)
+        # The clocks line up: every tensor of the model is reduced inside the figure's
+        # step, each after its gradient reached Horovod and before the step ended.
+        figure = figures[variant]
+        assert figure["compute"]
+        reduced = {name for name, begin, length, _ in figure["transfers"]
+                   if begin >= 0 and begin + length <= figure["seconds"] * 1e6 + 100}
+        assert len(reduced) == record["tensors"], variant
+        assert reduced <= set(records)
 
 
 def test_result_rows_merge_into_the_docs_file(tmp_path):

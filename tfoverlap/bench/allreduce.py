@@ -8,7 +8,11 @@ links) and runs two Horovod (Gloo) jobs, one rank per host:
   (:mod:`tfoverlap.bench.allreduce_worker`), so a slow phase of the shared machine hits all
   of them alike;
 - ``HOROVOD_AUTOTUNE=1`` is process-wide, so ``autotune`` runs in a second job right after
-  (tuning during its warm-up steps) and is compared with the first job's ``horovod``.
+  (tuning during its warm-up steps) and is compared with the first job's ``horovod``;
+- a third job, not timed, traces three steps of each variant with TensorFlow's tracer and
+  Horovod's timeline, and splits rank 0's median traced step into compute until the last
+  gradient, ring time, waits and the tail after it (:mod:`tfoverlap.costs.horovod_timeline`;
+  ``breakdown`` in the rows, a table, and ``timeline-MODEL-LINK.png``).
 
 Speed-ups are medians over the steps of both ranks' lock-stepped job (rank 0's clock),
 with 95% bootstrap intervals. Results go to CSV, Markdown, JSON and a PNG.
@@ -78,10 +82,11 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
                       steps: int, workdir: str, autotune: bool = True,
                       timeout: float = 3600.0, variants: str = MAIN_JOB_VARIANTS,
                       ranks: int = 2, emulate: str = "",
-                      dilation: float | None = 1.0) -> dict:
-    """Both jobs of one configuration on a fresh network of ``ranks`` hosts; the raw
+                      dilation: float | None = 1.0, breakdown: bool = True) -> dict:
+    """The jobs of one configuration on a fresh network of ``ranks`` hosts; the raw
     measurements. ``bandwidth`` is in emulated units where ``emulate`` is given;
-    ``dilation=None`` chooses it."""
+    ``dilation=None`` chooses it. ``breakdown``: a third job traces a few steps of each
+    variant with Horovod's timeline, to split them (not timed)."""
     from tfoverlap.testbed.network import EmulatedNetwork
     os.makedirs(workdir, exist_ok=True)
     automatic = bool(emulate) and dilation is None
@@ -101,6 +106,21 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
                                                   str(steps), "--variants", variants],
                                dilated_horovod_env(dilation), timeout,
                                os.path.join(workdir, "main-job.log"))
+        breakdowns, figures = {}, {}
+        traced_variants = [v for v in variants.split(",")
+                           if v not in ("compute_only", "comm_only")]
+        if breakdown and traced_variants:
+            # A job of its own: Horovod's timeline costs rank 0 a spinning thread.
+            progress(f"{model}: traced steps with Horovod's timeline")
+            timeline = os.path.join(workdir, "horovod-timeline.json")
+            traced = _worker_job(network, common + [
+                "--variants", ",".join(traced_variants), "--rounds", "0", "--warmup", "2",
+                "--trace-timeline", timeline], {**dilated_horovod_env(dilation),
+                                          "HOROVOD_TIMELINE": "DYNAMIC"},
+                timeout, os.path.join(workdir, "trace-job.log"))
+            breakdowns, figures = traced_breakdowns(traced["traced"], timeline)
+            progress(f"{model}: {traced['calmed_threads']} spinning Horovod thread(s) of "
+                     "rank 0 moved to SCHED_IDLE while tracing")
         tuned = None
         if autotune:
             progress(f"{model}: autotune job")
@@ -122,7 +142,40 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
             "times": times, "caramel": main_job["caramel"],
             "network_model": main_job["network_model"],
             "parameter_bytes": main_job["parameter_bytes"], "tensors": main_job["tensors"],
-            "autotune": tuned and tuned["autotune_log_tail"]}
+            "autotune": tuned and tuned["autotune_log_tail"],
+            "breakdown": breakdowns, "figure_steps": figures}
+
+
+def traced_breakdowns(traced: dict, timeline_path: str) -> tuple[dict, dict]:
+    """Per variant, the breakdown of its median traced step (wall seconds) and that step
+    as a figure's lists (compute, and the reductions as transfers; µs since its start)."""
+    from tfoverlap.costs.horovod_timeline import read_timeline, step_breakdown
+    if not traced:
+        return {}, {}
+    try:
+        with open(timeline_path) as stream:
+            records = read_timeline(stream.read())
+    except (OSError, ValueError) as error:
+        progress(f"no step breakdown: Horovod's timeline is unreadable ({error})")
+        return {}, {}
+    breakdowns, figures = {}, {}
+    for variant, steps in traced.items():
+        try:
+            measured = sorted(((step_breakdown(*step["span"], step["ready"], records), index)
+                               for index, step in enumerate(steps)),
+                              key=lambda pair: pair[0].step)
+        except ValueError as error:
+            progress(f"{variant}: no step breakdown ({error})")
+            continue
+        breakdown, index = measured[len(measured) // 2]
+        breakdowns[variant] = breakdown.as_dict()
+        start, end = steps[index]["span"]
+        reductions = sorted({(b, e, name) for name, record in records.items()
+                             for b, e in record.reductions if e > start and b < end})
+        figures[variant] = {"compute": steps[index]["compute"], "seconds": (end - start) * 1e-6,
+                            "transfers": [[name, b - start, e - b, records[name].bytes]
+                                          for b, e, name in reductions]}
+    return breakdowns, figures
 
 
 def dilated_horovod_env(dilation: float) -> dict:
@@ -154,6 +207,25 @@ def _choose_dilation(network, common: list[str], emulate: str, dilation: float,
         if following is None:
             return dilation, tried
         dilation = following
+
+
+def _plot_steps(result: dict, path: str) -> None:
+    """Rank 0's median traced step of Horovod's defaults and of each Caramel variant:
+    compute, and the reductions (Horovod's timeline), in emulated time."""
+    from tfoverlap.bench import report
+    scale = 1.0 / result.get("dilation", 1.0)
+    figures = {}
+    for variant, figure in result.get("figure_steps", {}).items():
+        if variant in ("horovod", *CARAMEL_VARIANTS):
+            figures[variant] = {
+                "seconds": figure["seconds"] * scale,
+                "compute": [[n, b * scale, d * scale] for n, b, d in figure["compute"]],
+                "transfers": [[n, b * scale, d * scale, size]
+                              for n, b, d, size in figure["transfers"]]}
+    if figures:
+        report.plot_timelines(figures, f"{result['model']}, {result['ranks']} ranks, "
+                              f"{link_name(result['bandwidth'])}: compute and reductions",
+                              path, transfer_label="reductions")
 
 
 def _tail(path: str, lines: int = 2) -> list[str]:
@@ -196,7 +268,29 @@ def summarize(result: dict) -> list[dict]:
             "declined": bool(caramel.get("declined")),
             "predicted_gain": caramel.get("predicted_gain", ""),
         })
+        breakdown = result.get("breakdown", {}).get(name)
+        if breakdown:
+            rows[-1]["breakdown"] = {key: value * (1 if key == "requests" else scale)
+                                     for key, value in breakdown.items()}
     return rows
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """Where each variant's median traced step goes (rank 0), in the rows' time unit."""
+    lines = ["| model | link | variant | step ms | until last gradient | tail: ring / wait / "
+             "after | ring idle | negotiating | requests | overlap bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        part = row.get("breakdown")
+        if not part:
+            continue
+        ms = {key: value * 1e3 for key, value in part.items() if key != "requests"}
+        lines.append(
+            f"| {row['model']} | {row['link']} | {row['variant']} | {ms['step']:.1f} | "
+            f"{ms['until_last_gradient']:.1f} | {ms['tail_ring']:.1f} / {ms['tail_wait']:.1f}"
+            f" / {ms['after_last_reduction']:.1f} | {ms['ring_idle']:.1f} | "
+            f"{ms['negotiation']:.1f} | {part['requests']} | {ms['overlap_bound']:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -232,6 +326,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
     parser.add_argument("--no-autotune", action="store_true", help="skip the autotune job")
+    parser.add_argument("--no-breakdown", action="store_true",
+                        help="skip the job that traces steps with Horovod's timeline")
     parser.add_argument("--variants", default=MAIN_JOB_VARIANTS,
                         help="the side-by-side job's variants (see allreduce_worker); "
                              "compute_only and comm_only give comm/comp")
@@ -276,7 +372,7 @@ def main(argv=None) -> int:
                                        bandwidth, args.rounds, args.steps, workdir,
                                        autotune=not args.no_autotune, variants=args.variants,
                                        ranks=args.workers, emulate=args.emulate,
-                                       dilation=dilation)
+                                       dilation=dilation, breakdown=not args.no_breakdown)
             results.append(result)
             rows.extend(summarize(result))
             progress(", ".join(f"{r['variant']} {r['median_s']:.3f}s ({r['speedup']:.2f}x)"
@@ -285,7 +381,9 @@ def main(argv=None) -> int:
             with open(os.path.join(args.out, "results.json"), "w") as stream:
                 json.dump(results, stream)
             with open(os.path.join(args.out, "results.md"), "w") as stream:
-                stream.write(markdown_table(rows))
+                stream.write(markdown_table(rows) + "\n" + breakdown_table(rows))
+            _plot_steps(result, os.path.join(args.out, f"timeline-{model}-"
+                                                       f"{link_name(bandwidth)}.png"))
             report.write_result_rows(rows, os.path.join(args.out, "rows.json"))
             if args.results:
                 report.write_result_rows(rows, args.results, merge=True,
@@ -303,8 +401,9 @@ def main(argv=None) -> int:
                   f"1/{result['dilation']:g}; times in emulated seconds); host CPUs "
                   f"{result['host_busy']:.0%} busy while timing")
     print(markdown_table(rows))
+    print(breakdown_table(rows))
     print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
-          "rows.json, speedups.png")
+          "rows.json, speedups.png, timeline-*.png")
     return 0
 
 

@@ -16,6 +16,14 @@ Variants (each its own graph and session, same model, batch and seed):
   compute_only  the same model with a local optimizer: the step without communication.
   comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
 
+With ``--trace-timeline PATH`` (and ``HOROVOD_TIMELINE=DYNAMIC``), after the timed rounds every
+variant that reduces gradients runs ``--traced-steps`` more steps traced by TensorFlow while
+Horovod's timeline records to PATH; rank 0 reports each traced step's bounds, when each
+gradient reached Horovod, and its compute, for :mod:`tfoverlap.costs.horovod_timeline`.
+The benchmark runs that as a job of its own (``--rounds 0``): wherever the timeline is
+enabled, Horovod's writer thread spins on rank 0 for the whole job (see
+:func:`calm_timeline_writer`).
+
 With ``--emulate`` every variant's session runs the emulate pass (the heavy compute on
 emulated accelerators, durations times ``--dilation``), and Caramel plans with the
 emulated op times. Rank 0 also reports its CPU time per step and how busy the host's CPUs
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -105,6 +114,75 @@ def _emulation(args) -> dict:
     return {"emulate": args.emulate, "dilation": args.dilation} if args.emulate else {}
 
 
+#: the op types that hand gradients to Horovod.
+HOROVOD_REDUCE_OPS = ("HorovodAllreduce", "HorovodGroupedAllreduce")
+
+
+def calm_timeline_writer(settle_seconds: float = 0.5) -> int:
+    """Horovod 0.28's timeline writer thread loops on ``sched_yield`` from ``hvd.init()``
+    until shutdown on rank 0 whenever HOROVOD_TIMELINE is set, recording or not: one
+    core of a 2-core host gone. Threads of this process that keep a CPU busy while it
+    is idle (just after ``hvd.init()``) are moved to SCHED_IDLE, so they only run when
+    nothing else wants a CPU; returns how many."""
+    def cpu_ticks() -> dict[int, int]:
+        ticks = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as stream:
+                    fields = stream.read().rsplit(")", 1)[1].split()
+                ticks[int(tid)] = int(fields[11]) + int(fields[12])   # utime + stime
+            except (OSError, IndexError, ValueError):
+                continue
+        return ticks
+    before = cpu_ticks()
+    time.sleep(settle_seconds)
+    after = cpu_ticks()
+    busy = settle_seconds * os.sysconf("SC_CLK_TCK") / 2
+    calmed = 0
+    for tid, ticks in after.items():
+        if ticks - before.get(tid, ticks) >= busy:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            calmed += 1
+    return calmed
+
+
+def _traced_steps(built: dict, args) -> dict:
+    """Variant -> one record per traced step (rank 0's clock, µs since the epoch): the
+    step's span, when each gradient reached Horovod, and (for the median step) its
+    compute."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from tfoverlap.costs.trace import op_type_starts, step_span, step_timeline
+    from tfoverlap.rewriters.allreduce_grouping import is_plan_check
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+                                      output_partition_graphs=True)
+    traced = {}
+    hvd.start_timeline(args.trace_timeline)
+    try:
+        for variant, (session, fetch, _) in built.items():
+            if variant in ("compute_only", "comm_only"):
+                continue
+            steps = []
+            for _ in range(args.traced_steps):
+                metadata = tf.compat.v1.RunMetadata()
+                session.run(fetch, options=options, run_metadata=metadata)
+                start, end = step_span(metadata)
+                # Caramel's plan check reduces at the step's start: not a gradient.
+                ready = [micros for micros, name in op_type_starts(metadata, HOROVOD_REDUCE_OPS)
+                         if not is_plan_check(name)]
+                steps.append({"span": [start, end], "ready": ready,
+                              "compute": step_timeline(metadata, origin=start)["compute"]})
+            # The compute of the median step only (the figure's step): thousands of ops.
+            lengths = sorted(steps, key=lambda step: step["span"][1] - step["span"][0])
+            for step in lengths[:len(lengths) // 2] + lengths[len(lengths) // 2 + 1:]:
+                step["compute"] = []
+            traced[variant] = steps
+    finally:
+        hvd.stop_timeline()
+    return traced
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -118,6 +196,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emulate", default="", help="a device model or file")
     parser.add_argument("--dilation", type=float, default=1.0)
+    parser.add_argument("--trace-timeline", default="",
+                        help="trace steps with Horovod's timeline at this path (rank 0)")
+    parser.add_argument("--traced-steps", type=int, default=3)
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANT_NAMES]
@@ -129,6 +210,7 @@ def main(argv=None) -> int:
     import tensorflow as tf
     tf.compat.v1.disable_eager_execution()
     hvd.init()
+    calmed = calm_timeline_writer() if args.trace_timeline and hvd.rank() == 0 else 0
     import tfoverlap
     import tfoverlap.horovod as tfo_hvd
     began = time.perf_counter()
@@ -157,13 +239,14 @@ def main(argv=None) -> int:
                 times[variant].append(time.perf_counter() - start)
                 cpu[variant].append(time.process_time() - start_cpu)
     host_busy = busy_fraction(before, cpu_sample())
+    traced = _traced_steps(built, args) if args.trace_timeline else {}
     model = next(iter(built.values()))[2]
     if hvd.rank() == 0:
         print(json.dumps({
             "model": args.model, "batch": args.batch, "ranks": hvd.size(),
             "parameter_bytes": model.parameter_bytes, "tensors": len(model.variables),
             "times": times, "cpu": cpu, "host_busy": host_busy,
-            "build_seconds": build_seconds,
+            "build_seconds": build_seconds, "traced": traced, "calmed_threads": calmed,
             "network_model": tfo_hvd.network_model(),
             "caramel": caramel}), flush=True)
     for session, _, _ in built.values():

@@ -31,7 +31,7 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 RESULT_EXTRA = ("batch", "ps", "comm_over_comp", "transfer_span_s", "declined", "emulated",
-                "dilation", "host_busy", "worker_cpu_share", "command", "date")
+                "dilation", "host_busy", "worker_cpu_share", "breakdown", "command", "date")
 _ROW_KEY = ("model", "mode", "workers", "link", "variant")
 
 
@@ -118,8 +118,10 @@ def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
     plt.close(figure)
 
 
-def plot_timelines(traces: dict[str, dict], title: str, path: str) -> None:
-    """One step of worker 0 per variant: its transfers and its compute on one time axis."""
+def plot_timelines(traces: dict[str, dict], title: str, path: str,
+                   transfer_label: str = "transfers") -> None:
+    """One step of worker 0 per variant: its transfers (or reductions) and its compute on
+    one time axis."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -132,7 +134,7 @@ def plot_timelines(traces: dict[str, dict], title: str, path: str) -> None:
         panel.broken_barh(transfers, (10, 8), facecolors="tab:orange")
         panel.broken_barh(compute, (0, 8), facecolors="tab:blue")
         panel.set_yticks([4, 14])
-        panel.set_yticklabels(["compute", "transfers"])
+        panel.set_yticklabels(["compute", transfer_label])
         panel.set_title(f"{variant}: step {trace['seconds'] * 1e3:.0f} ms", fontsize="small",
                         loc="left")
     panels[-1, 0].set_xlabel("ms since the step's first event (worker 0)")
