@@ -7,13 +7,18 @@
 // as on one CUDA stream, so a kernel issued at t ends at max(t, the end of the stream's
 // previous kernel) + duration.
 //
+// With `pool` > 0 it instead takes whichever of the device's `pool` slots frees first: the
+// inter-op threads of a CPU executor, which run any ready op on any idle thread.
+//
 // When the executor sees it complete depends on `blocking`:
 // - false (the default, a GPU's semantics): at once, as TensorFlow's GPU executor treats a
 //   launched kernel, so the host runs ahead issuing more kernels while the stream works.
 //   Where a result leaves the stream (a host op, a transfer, a collective consumes it),
 //   the rewrite puts a TfOverlapStreamWait, which forwards its inputs once the kernels
 //   that produced them have ended: a device-to-host copy waiting on its stream event.
-// - true: when the kernel ends (a CPU's semantics: the executor waits for every op).
+// - true: when the kernel ends (a CPU's semantics: the executor waits for every op). The
+//   timer thread calls `done` itself: the executor only propagates outputs and hands the
+//   ready ops to its threads, and a second hand-over would add tens of µs to every op.
 //
 // Waiting takes no thread and no CPU: one timer thread per process sleeps until the
 // earliest pending end and hands the `done` callback to the device's worker threads.
@@ -67,6 +72,7 @@ REGISTER_OP("TfOverlapEmulatedCompute")
     .Attr("duration_us: float")
     .Attr("stream: int = 0")
     .Attr("blocking: bool = false")
+    .Attr("pool: int = 0")
     .Attr("original_op: string = ''")
     // Stateful: Grappler must neither fold, deduplicate nor prune it as a pure function.
     .SetIsStateful()
@@ -125,6 +131,19 @@ class EmulatedStreams {
     return end;
   }
 
+  // Queues a kernel of `duration` on the earliest free of `slots` slots of `pool`;
+  // returns its end.
+  Clock::time_point IssueOnPool(const std::string& pool, int64_t slots,
+                                std::chrono::nanoseconds duration) {
+    const Clock::time_point now = Clock::now();
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<Clock::time_point>& free_at = pools_[pool];
+    free_at.resize(static_cast<size_t>(slots));
+    auto earliest = std::min_element(free_at.begin(), free_at.end());
+    *earliest = std::max(now, *earliest) + duration;
+    return *earliest;
+  }
+
   // When the last kernel issued under `kernel` ends (the epoch if none was).
   Clock::time_point LastEnd(const std::string& kernel) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -132,7 +151,7 @@ class EmulatedStreams {
     return found == last_end_.end() ? Clock::time_point() : found->second;
   }
 
-  // Runs `callback` on the timer thread at `when` (it must only hand work elsewhere).
+  // Runs `callback` on the timer thread at `when` (it must be short: hand work elsewhere).
   void At(Clock::time_point when, std::function<void()> callback) {
     std::lock_guard<std::mutex> lock(mutex_);
     const bool earliest = ends_.empty() || when < ends_.begin()->first;
@@ -169,6 +188,7 @@ class EmulatedStreams {
   std::condition_variable wake_;
   std::unordered_map<std::string, Clock::time_point> busy_until_;
   std::unordered_map<std::string, Clock::time_point> last_end_;
+  std::unordered_map<std::string, std::vector<Clock::time_point>> pools_;
   std::multimap<Clock::time_point, std::function<void()>> ends_;
   std::thread timer_;
 };
@@ -247,6 +267,12 @@ class EmulatedComputeOp : public AsyncOpKernel {
     int64_t stream = 0;
     OP_REQUIRES_OK(context, context->GetAttr("stream", &stream));
     OP_REQUIRES_OK(context, context->GetAttr("blocking", &blocking_));
+    OP_REQUIRES_OK(context, context->GetAttr("pool", &pool_slots_));
+    OP_REQUIRES(context, pool_slots_ >= 0 && (pool_slots_ == 0 || blocking_),
+                ::tensorflow::errors::InvalidArgument(
+                    "TfOverlapEmulatedCompute: pool must be >= 0, and only blocking kernels "
+                    "take a pool, got pool=", pool_slots_));
+    pool_ = context->device()->name() + "/pool";
     stream_ = context->device()->name() + "/stream:" + std::to_string(stream);
     kernel_ = KernelKey(context->device()->name(), name());
   }
@@ -269,15 +295,15 @@ class EmulatedComputeOp : public AsyncOpKernel {
       }
       for (size_t i = 0; i < zeros_.size(); ++i) context->set_output(i, zeros_[i]);
     }
-    const Clock::time_point end = EmulatedStreams::Get().Issue(stream_, kernel_, duration_);
     if (!blocking_) {
+      EmulatedStreams::Get().Issue(stream_, kernel_, duration_);
       done();  // launched: the stream does the rest
       return;
     }
-    auto* workers = context->device()->tensorflow_cpu_worker_threads()->workers;
-    EmulatedStreams::Get().At(end, [workers, done = std::move(done)]() {
-      workers->Schedule(done);
-    });
+    const Clock::time_point end =
+        pool_slots_ > 0 ? EmulatedStreams::Get().IssueOnPool(pool_, pool_slots_, duration_)
+                        : EmulatedStreams::Get().Issue(stream_, kernel_, duration_);
+    EmulatedStreams::Get().At(end, std::move(done));
   }
 
  private:
@@ -287,6 +313,8 @@ class EmulatedComputeOp : public AsyncOpKernel {
   std::string stream_;
   std::string kernel_;
   bool blocking_ = false;
+  int64_t pool_slots_ = 0;
+  std::string pool_;
   std::mutex zeros_mutex_;
   std::vector<Tensor> zeros_;
 };

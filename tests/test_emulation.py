@@ -25,10 +25,11 @@ from helpers import run_python
 WORKER = "/job:worker/task:0"
 
 
-def _emulated(inputs, dtypes, shapes, milliseconds, stream=0, name=None, blocking=True):
+def _emulated(inputs, dtypes, shapes, milliseconds, stream=0, name=None, blocking=True,
+              pool=0):
     return load_emulated_ops().tf_overlap_emulated_compute(
         inputs, Tout=dtypes, output_shapes=shapes, duration_us=milliseconds * 1e3,
-        stream=stream, blocking=blocking, name=name)
+        stream=stream, blocking=blocking, pool=pool, name=name)
 
 
 def _wait(tensors, producers, name=None):
@@ -95,6 +96,26 @@ def test_one_stream_runs_kernels_one_at_a_time_and_two_streams_overlap():
     assert 0.22 < one_stream < 0.40, one_stream
     assert 0.11 < two_streams < 0.20, two_streams
     assert one_cpu < 0.25 * one_stream, (one_cpu, one_stream)
+
+
+def test_blocking_kernels_on_a_pool_take_whichever_thread_is_free():
+    """A CPU executor's semantics: four independent 60 ms kernels, all naming stream 0, on
+    a pool of two threads take two kernel times, on a pool of one four; a pool needs
+    blocking kernels."""
+    graph, session = _graph_session()
+    with graph.as_default():
+        x = tf.constant(1.0)
+        two = [_emulated([x], [tf.float32], [[]], 60, pool=2)[0] for _ in range(4)]
+        one = [_emulated([x], [tf.float32], [[]], 60, pool=1)[0] for _ in range(4)]
+        launched = _emulated([x], [tf.float32], [[]], 1, pool=2, blocking=False)
+    with session:
+        on_two, cpu = _timed(session, two)
+        on_one, _ = _timed(session, one)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="only blocking kernels"):
+            session.run(launched)
+    assert 0.11 < on_two < 0.20, on_two
+    assert 0.22 < on_one < 0.40, on_one
+    assert cpu < 0.25 * on_two, (cpu, on_two)
 
 
 def test_a_stream_completes_kernels_in_issue_order():

@@ -95,7 +95,8 @@ class Options:
                  link rates by the same factor, so that the host's own work is small
                  against the emulated step.
     emulate_streams: emulated kernels of a device run one at a time on each of this many
-                 streams, in issue order.
+                 streams, in issue order; with emulate_blocking, on this many threads,
+                 each kernel on the first one free (a CPU executor's inter-op pool).
     emulate_blocking: emulated kernels complete for TensorFlow's executor when they end (a
                  CPU's semantics), instead of at launch with a wait where their results
                  leave the stream (a GPU's, the default).

@@ -174,8 +174,10 @@ def emulate_until_done(graph_def, options, preserved=()) -> tuple[object, list[E
         plans.append(plan)
         if not plan.emulations:
             break
-        current = replace_with_emulated_ops(current, plan.emulations,
-                                            blocking=options.emulate_blocking)
+        # CPU semantics: the kernels share the executor's threads, whichever is free.
+        current = replace_with_emulated_ops(
+            current, plan.emulations, blocking=options.emulate_blocking,
+            pool=options.emulate_streams if options.emulate_blocking else 0)
     return current, plans
 
 

@@ -35,9 +35,13 @@ class Emulation:
     stream: int = 0
 
 
-def replace_with_emulated_ops(graph_def, emulations: list[Emulation], blocking: bool = False):
+def replace_with_emulated_ops(graph_def, emulations: list[Emulation], blocking: bool = False,
+                              pool: int = 0):
     """A copy of ``graph_def`` with each node named in ``emulations`` replaced by an
-    emulated kernel (completing at launch, or when it ends if ``blocking``)."""
+    emulated kernel (completing at launch, or when it ends if ``blocking``; blocking
+    kernels with ``pool`` > 0 run on the first free of that many threads, not on streams)."""
+    if pool and not blocking:
+        raise ValueError("only blocking emulated kernels run on a pool of threads")
     from tensorflow.core.framework import graph_pb2
     by_name = {emulation.node: emulation for emulation in emulations}
     new_graph_def = graph_pb2.GraphDef()
@@ -64,6 +68,8 @@ def replace_with_emulated_ops(graph_def, emulations: list[Emulation], blocking: 
         node.attr["duration_us"].f = emulation.seconds * 1e6
         node.attr["stream"].i = emulation.stream
         node.attr["blocking"].b = blocking
+        if pool:
+            node.attr["pool"].i = pool
         node.attr["original_op"].s = original_op.encode()
     return new_graph_def
 
