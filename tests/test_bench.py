@@ -219,3 +219,34 @@ def test_dilation_grows_until_the_host_is_calm_enough():
             parse_dilation(text, "v100")
     with pytest.raises(ValueError, match="neither a device model"):
         parse_dilation("auto", "tpu9")
+
+
+def test_a_spinning_thread_is_moved_to_the_idle_class_and_sleeping_ones_are_not():
+    """What the traced Horovod job does about Horovod's spinning timeline writer."""
+    import os
+    import threading
+    import time
+    from tfoverlap.bench.allreduce_worker import calm_timeline_writer
+    stop, ids = threading.Event(), {}
+
+    def spin():
+        ids["spinner"] = threading.get_native_id()
+        while not stop.is_set():
+            pass
+
+    def sleep():
+        ids["sleeper"] = threading.get_native_id()
+        stop.wait()
+
+    threads = [threading.Thread(target=spin), threading.Thread(target=sleep)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.1)
+        assert calm_timeline_writer(window_seconds=0.5) == 1
+        assert os.sched_getscheduler(ids["spinner"]) == os.SCHED_IDLE
+        assert os.sched_getscheduler(ids["sleeper"]) == os.SCHED_OTHER
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()

@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 __all__ = ["ddp_groups", "main"]
@@ -118,12 +119,14 @@ def _emulation(args) -> dict:
 HOROVOD_REDUCE_OPS = ("HorovodAllreduce", "HorovodGroupedAllreduce")
 
 
-def calm_timeline_writer(settle_seconds: float = 0.5) -> int:
+def calm_timeline_writer(window_seconds: float = 1.0, busy_share: float = 0.05) -> int:
     """Horovod 0.28's timeline writer thread loops on ``sched_yield`` from ``hvd.init()``
     until shutdown on rank 0 whenever HOROVOD_TIMELINE is set, recording or not: one
-    core of a 2-core host gone. Threads of this process that keep a CPU busy while it
-    is idle (just after ``hvd.init()``) are moved to SCHED_IDLE, so they only run when
-    nothing else wants a CPU; returns how many."""
+    core of a 2-core host gone. Called while this process is otherwise idle (just after
+    ``hvd.init()``), it moves every thread that used at least ``busy_share`` of a CPU over
+    ``window_seconds`` to SCHED_IDLE (it then runs only when nothing else wants a CPU;
+    under 8 ranks starting on 2 cores the spinner gets a fraction of one); returns how
+    many threads it moved."""
     def cpu_ticks() -> dict[int, int]:
         ticks = {}
         for tid in os.listdir("/proc/self/task"):
@@ -135,12 +138,12 @@ def calm_timeline_writer(settle_seconds: float = 0.5) -> int:
                 continue
         return ticks
     before = cpu_ticks()
-    time.sleep(settle_seconds)
+    time.sleep(window_seconds)
     after = cpu_ticks()
-    busy = settle_seconds * os.sysconf("SC_CLK_TCK") / 2
+    busy = max(1.0, busy_share * window_seconds * os.sysconf("SC_CLK_TCK"))
     calmed = 0
     for tid, ticks in after.items():
-        if ticks - before.get(tid, ticks) >= busy:
+        if tid != threading.get_native_id() and ticks - before.get(tid, ticks) >= busy:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             calmed += 1
     return calmed
