@@ -171,11 +171,14 @@ def _traced_steps(built: dict, args) -> dict:
                 metadata = tf.compat.v1.RunMetadata()
                 session.run(fetch, options=options, run_metadata=metadata)
                 start, end = step_span(metadata)
+                submitted = op_type_starts(metadata, HOROVOD_REDUCE_OPS)
                 # Caramel's plan check reduces at the step's start: not a gradient.
-                ready = [micros for micros, name in op_type_starts(metadata, HOROVOD_REDUCE_OPS)
-                         if not is_plan_check(name)]
-                steps.append({"span": [start, end], "ready": ready,
-                              "compute": step_timeline(metadata, origin=start)["compute"]})
+                ready = [micros for micros, name in submitted if not is_plan_check(name)]
+                # An AllReduce op lasts until its reduction is done: not compute.
+                reducing = {name for _, name in submitted}
+                compute = [entry for entry in step_timeline(metadata, origin=start)["compute"]
+                           if entry[0] not in reducing]
+                steps.append({"span": [start, end], "ready": ready, "compute": compute})
             # The compute of the median step only (the figure's step): thousands of ops.
             lengths = sorted(steps, key=lambda step: step["span"][1] - step["span"][0])
             for step in lengths[:len(lengths) // 2] + lengths[len(lengths) // 2 + 1:]:
