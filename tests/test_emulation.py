@@ -288,6 +288,24 @@ def test_device_files_override_the_model_and_bad_ones_are_named(tmp_path):
             tfoverlap.session_config(emulate=str(bad))
 
 
+def test_a_profile_replays_each_ops_mean_time_where_it_has_one(tmp_path):
+    from tfoverlap.costs.profile import Profile, load_profile, save_profile
+    with_means = tmp_path / "with_means.json"
+    save_profile(Profile(op_seconds={"conv": 0.001}, transfer_seconds={},
+                         op_mean_seconds={"conv": 0.003}), str(with_means))
+    assert load_profile(str(with_means)).op_mean_seconds == {"conv": 0.003}
+    assert load_device_model(str(with_means)).op_time("conv", "Conv2D", 1e12, 0) == 0.003
+    older = tmp_path / "older.json"          # written before means were kept
+    data = json.loads(with_means.read_text())
+    del data["op_mean_seconds"]
+    older.write_text(json.dumps(data))
+    assert load_device_model(str(older)).op_time("conv", "Conv2D", 1e12, 0) == 0.001
+    data["op_mean_seconds"] = {"conv": -1}
+    older.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="op_mean_seconds"):
+        load_device_model(str(older))
+
+
 def test_a_process_without_tfoverlap_cannot_run_the_op_and_tfoverlap_load_registers_it():
     """Servers that run emulated graphs must load tfoverlap (tfoverlap.load())."""
     result = run_python("""

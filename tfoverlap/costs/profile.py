@@ -2,7 +2,10 @@
 
 A profile is a versioned JSON file: per-op compute seconds (keyed by node name) and
 per-transfer seconds and bytes (keyed by the name of the PS-side source node), medians over
-the profiled steps.
+the profiled steps. Per-op means are kept too (``op_mean_seconds``): a replay of the
+profile on emulated kernels (``emulate=PROFILE``) needs each op's expected time, and on a
+busy host an op's time is skewed to the right (preemptions), so the sum of medians falls
+short of the step the ops made.
 """
 from __future__ import annotations
 
@@ -33,10 +36,12 @@ class Profile:
     transfer_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     steps: int = 0
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    op_mean_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "steps": self.steps,
                 "metadata": dict(self.metadata), "op_seconds": dict(self.op_seconds),
+                "op_mean_seconds": dict(self.op_mean_seconds),
                 "transfer_seconds": dict(self.transfer_seconds),
                 "transfer_bytes": dict(self.transfer_bytes)}
 
@@ -83,12 +88,15 @@ def load_profile(path: str) -> Profile:
         raise ProfileError(f"profile {path!r} has version {data.get('version')!r}; this "
                            f"tfoverlap reads version {PROFILE_VERSION}: profile again")
     op_seconds = _seconds_table(data, "op_seconds", path)
+    # Absent from profiles written before means were kept.
+    op_mean_seconds = (_seconds_table(data, "op_mean_seconds", path)
+                       if "op_mean_seconds" in data else {})
     transfer_seconds = _seconds_table(data, "transfer_seconds", path)
     transfer_bytes = {name: int(value) for name, value in
                       _seconds_table(data, "transfer_bytes", path).items()}
     return Profile(op_seconds=op_seconds, transfer_seconds=transfer_seconds,
                    transfer_bytes=transfer_bytes, steps=int(data.get("steps", 0)),
-                   metadata=data.get("metadata", {}))
+                   metadata=data.get("metadata", {}), op_mean_seconds=op_mean_seconds)
 
 
 def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
@@ -130,7 +138,8 @@ def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
         op_seconds={k: statistics.median(v) for k, v in op_samples.items()},
         transfer_seconds={k: statistics.median(v) for k, v in transfer_samples.items()},
         transfer_bytes=transfer_bytes, steps=steps,
-        metadata={"tensorflow": tf.__version__, "worker_device": worker_device})
+        metadata={"tensorflow": tf.__version__, "worker_device": worker_device},
+        op_mean_seconds={k: statistics.fmean(v) for k, v in op_samples.items()})
     if path:
         save_profile(result, path)
     return result
