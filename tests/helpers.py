@@ -54,3 +54,25 @@ def build_horovod_graph(script: str, path) -> None:
     result = subprocess.run([sys.executable, "-c", script, str(path)], env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def horovod_timeline_text(tensors: dict, origin: int, closed: bool = False) -> str:
+    """A timeline as Horovod writes it: tensor -> [(phase, begin, end)] in µs since
+    ``origin`` (µs since the epoch); an ALLREDUCE holds a nested activity, as Horovod's do."""
+    import json
+    events = [{"name": "process_name", "ph": "M", "pid": 0,
+               "args": {"start_time_since_epoch_in_micros": origin}}]
+    for pid, (name, phases) in enumerate(tensors.items(), start=1):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        for phase, begin, end in phases:
+            events.append({"ph": "B", "name": phase, "ts": begin, "pid": pid})
+            if phase == "ALLREDUCE":
+                events.append({"ph": "B", "name": "GLOO_ALLREDUCE", "ts": begin + 1,
+                               "pid": pid})
+                events.append({"ph": "E", "ts": end - 1, "pid": pid})
+                events.append({"ph": "E", "ts": end, "pid": pid,
+                               "args": {"dtype": "float32", "shape": "[10, 10]"}})
+            else:
+                events.append({"ph": "E", "ts": end, "pid": pid})
+    text = "[\n" + ",\n".join(json.dumps(e) for e in events) + ","
+    return text[:-1] + "]" if closed else text

@@ -135,7 +135,7 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
         assert part["tail"] == pytest.approx(part["tail_ring"] + part["tail_wait"]
                                              + part["after_last_reduction"], abs=1e-9)
         assert part["requests"] >= 1 and 0 < part["ring"] <= part["step"]
-        assert part["overlap_bound"] <= part["step"] * (1 + 1e-9)
+        assert part["in_step_bound"] <= part["step"] * (1 + 1e-9)
         # The clocks line up: every tensor of the model is reduced inside the figure's
         # step, each after its gradient reached Horovod and before the step ended.
         figure = figures[variant]
@@ -161,6 +161,12 @@ def test_result_rows_merge_into_the_docs_file(tmp_path):
         ("default", "loopback", 1.0, "first"), ("tic", "loopback", 3.0, "second"),
         ("tic", "1Gbit", 4.0, "second")]
     assert set(rows[0]) == set(report.RESULT_FIELDS) | {"batch", "command", "date"}
+    # Two PS tasks are another configuration than one, at the same link.
+    two_ps = {**row("tic", "1Gbit", 5.0), "ps": 2}
+    report.write_result_rows([two_ps], path, merge=True, command="third")
+    rows = json.loads(open(path).read())
+    assert [(r["iteration_s"], r.get("ps")) for r in rows if r["link"] == "1Gbit"] == [
+        (4.0, None), (5.0, 2)]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (namespaces, tc)")

@@ -347,3 +347,61 @@ def test_schedule_names_the_transfers_it_leaves_to_control_flow(capsys, tmp_path
     code, _, err = run(capsys, "schedule", path, "--algo", "tic", "--ps-devices",
                        "/job:ps/task:0/device:GPU:0")
     assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def _traced_horovod_step(path, origin):
+    """Rank 0's RunMetadata of a step from origin to origin + 1000 µs: gradients handed
+    to Horovod at 200 and 700 µs, Caramel's plan check at 5 µs."""
+    from tensorflow.core.protobuf import config_pb2
+    metadata = config_pb2.RunMetadata()
+    device = metadata.step_stats.dev_stats.add(device="/job:localhost/replica:0/task:0/"
+                                                      "device:CPU:0")
+    for name, op, start, length in (
+            ("conv", "Conv2D", 0, 150), ("tfoverlap/caramel/plan_check/max",
+                                         "HorovodAllreduce", 5, 40),
+            ("grad_a/allreduce", "HorovodAllreduce", 200, 200),
+            ("tfoverlap/caramel/bucket_1", "HorovodGroupedAllreduce", 700, 200),
+            ("update", "AssignSubVariableOp", 950, 50)):
+        device.node_stats.add(node_name=name, all_start_micros=origin + start,
+                              op_start_rel_micros=0, op_end_rel_micros=length,
+                              all_end_rel_micros=length, timeline_label=f"{name} = {op}(x)")
+    path.write_bytes(metadata.SerializeToString())
+    return str(path)
+
+
+def test_breakdown_splits_a_traced_horovod_step(tmp_path, capsys):
+    from helpers import horovod_timeline_text
+    origin = 1_700_000_000_000_000
+    step = _traced_horovod_step(tmp_path / "step.pb", origin)
+    timeline = tmp_path / "timeline.json"
+    timeline.write_text(horovod_timeline_text({
+        "tfoverlap/caramel/plan_check/max": [("ALLREDUCE", 10, 40)],
+        "grad_a/allreduce": [("NEGOTIATE_ALLREDUCE", 200, 230), ("ALLREDUCE", 240, 400)],
+        "tfoverlap/caramel/bucket_1_0of1": [("NEGOTIATE_ALLREDUCE", 700, 760),
+                                            ("ALLREDUCE", 800, 900)]}, origin))
+    assert cli.main(["breakdown", step, "--horovod-timeline", str(timeline)]) == 0
+    out = capsys.readouterr().out
+    assert "step 1.00 ms" in out
+    # The plan check is not a gradient: the first one reached Horovod at 200 µs.
+    assert "until the last gradient      0.70 ms   (first gradient at 0.20 ms)" in out
+    for label, value in (("reductions running", "0.10"), ("nothing reducing", "0.10"),
+                         ("after the last reduction", "0.10")):
+        line = next(line for line in out.splitlines() if label in line)
+        assert line.split()[-2] == value, line
+    assert "in 3 fused requests" in out
+
+
+def test_breakdown_names_a_timeline_of_another_run_or_a_corrupt_one(tmp_path, capsys):
+    from helpers import horovod_timeline_text
+    origin = 1_700_000_000_000_000
+    step = _traced_horovod_step(tmp_path / "step.pb", origin)
+    other = tmp_path / "other.json"
+    other.write_text(horovod_timeline_text({"grad_a/allreduce": [("ALLREDUCE", 240, 400)]},
+                                           origin + 10_000_000))
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("[{not json")
+    for path, message in ((other, "no reduction inside the traced step"),
+                          (corrupt, "not a Horovod timeline")):
+        assert cli.main(["breakdown", step, "--horovod-timeline", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and str(path) in err and len(err.strip().splitlines()) == 1

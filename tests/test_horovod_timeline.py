@@ -1,32 +1,16 @@
 """Reading Horovod's timeline and splitting a step into compute, ring, waits and tail."""
-import json
-
 import pytest
 
 from tfoverlap.costs.horovod_timeline import (covered_micros, read_timeline,
                                               step_breakdown)
 
+from helpers import horovod_timeline_text
+
 ORIGIN = 1_000_000
 
 
 def _timeline(tensors: dict, closed: bool = False) -> str:
-    """A timeline as Horovod writes it: tensor -> [(phase, begin, end)] in µs."""
-    events = [{"name": "process_name", "ph": "M", "pid": 0,
-               "args": {"start_time_since_epoch_in_micros": ORIGIN}}]
-    for pid, (name, phases) in enumerate(tensors.items(), start=1):
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
-        for phase, begin, end in phases:
-            events.append({"ph": "B", "name": phase, "ts": begin, "pid": pid})
-            if phase == "ALLREDUCE":    # nested activity, as Horovod writes it
-                events.append({"ph": "B", "name": "GLOO_ALLREDUCE", "ts": begin + 1,
-                               "pid": pid})
-                events.append({"ph": "E", "ts": end - 1, "pid": pid})
-                events.append({"ph": "E", "ts": end, "pid": pid,
-                               "args": {"dtype": "float32", "shape": "[10, 10]"}})
-            else:
-                events.append({"ph": "E", "ts": end, "pid": pid})
-    text = "[\n" + ",\n".join(json.dumps(e) for e in events) + ","
-    return text[:-1] + "]" if closed else text
+    return horovod_timeline_text(tensors, ORIGIN, closed)
 
 
 def test_a_timeline_gives_each_tensors_phases_on_the_epoch_clock():
@@ -77,7 +61,7 @@ def test_a_step_splits_into_compute_and_a_tail_of_ring_waits_and_updates():
     assert part.negotiation == pytest.approx((30 + 20 + 60) * 1e-6)
     assert part.requests == 3                                # b and c reduced together
     # Never idle after the first gradient: 200 + 420 µs of ring, then 100 µs of updates.
-    assert part.overlap_bound == pytest.approx(max(700, 200 + 420) * 1e-6 + 100e-6)
+    assert part.in_step_bound == pytest.approx(max(700, 200 + 420) * 1e-6 + 100e-6)
 
 
 def test_a_step_without_gradients_is_a_clear_error():

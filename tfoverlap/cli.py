@@ -375,6 +375,32 @@ def _plot(args) -> int:
     return 0
 
 
+def _breakdown(args) -> int:
+    from tfoverlap.costs.horovod_timeline import read_timeline
+    from tfoverlap.planning.caramel import traced_step_breakdown
+    metadata = _load_run_metadata(args.run_metadata)
+    try:
+        records = read_timeline(_read(args.horovod_timeline).decode("utf-8", "replace"))
+        part = traced_step_breakdown(metadata, records, args.device)
+    except ValueError as error:
+        raise CliError(f"{args.horovod_timeline}: {error}") from None
+    ms = {key: value * 1e3 for key, value in part.as_dict().items() if key != "requests"}
+    print(f"step {ms['step']:.2f} ms (rank 0)")
+    print(f"  forward and backward, until the last gradient  {ms['until_last_gradient']:8.2f} ms"
+          f"   (first gradient at {ms['first_gradient']:.2f} ms)")
+    print(f"  tail after the last gradient                   {ms['tail']:8.2f} ms")
+    print(f"    reductions running                           {ms['tail_ring']:8.2f} ms")
+    print(f"    nothing reducing (negotiation, cycle, queue) {ms['tail_wait']:8.2f} ms")
+    print(f"    after the last reduction                     "
+          f"{ms['after_last_reduction']:8.2f} ms")
+    print(f"  ring busy {ms['ring']:.2f} ms in {part.requests} fused requests, idle "
+          f"{ms['ring_idle']:.2f} ms after the first gradient; negotiating "
+          f"{ms['negotiation']:.2f} ms")
+    print(f"  in-step bound (the ring never idle once a gradient exists): "
+          f"{ms['in_step_bound']:.2f} ms, {part.step / part.in_step_bound:.2f}x at most")
+    return 0
+
+
 # ---------------------------------------------------------------------- simulate
 def _scenario(args, **overrides):
     from tfoverlap.options import parse_bandwidth
@@ -539,6 +565,15 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--labels", help="comma-separated, one per file")
     plot.add_argument("--out", default="step.png")
     plot.set_defaults(run=_plot)
+    breakdown = commands.add_parser(
+        "breakdown", help="a Horovod step: compute, ring, waits, tail",
+        description="Where rank 0's traced step of a Horovod job went: its RunMetadata "
+                    "(FULL_TRACE) and Horovod's timeline of the same run (HOROVOD_TIMELINE, "
+                    "written by rank 0), lined up on one clock.")
+    breakdown.add_argument("run_metadata")
+    breakdown.add_argument("--horovod-timeline", required=True)
+    breakdown.add_argument("--device", default="", help="only ops on these devices")
+    breakdown.set_defaults(run=_breakdown)
     return parser
 
 

@@ -278,7 +278,7 @@ def summarize(result: dict) -> list[dict]:
 def breakdown_table(rows: list[dict]) -> str:
     """Where each variant's median traced step goes (rank 0), in the rows' time unit."""
     lines = ["| model | link | variant | step ms | until last gradient | tail: ring / wait / "
-             "after | ring idle | negotiating | requests | overlap bound |",
+             "after | ring idle | negotiating | requests | in-step bound |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         part = row.get("breakdown")
@@ -289,7 +289,7 @@ def breakdown_table(rows: list[dict]) -> str:
             f"| {row['model']} | {row['link']} | {row['variant']} | {ms['step']:.1f} | "
             f"{ms['until_last_gradient']:.1f} | {ms['tail_ring']:.1f} / {ms['tail_wait']:.1f}"
             f" / {ms['after_last_reduction']:.1f} | {ms['ring_idle']:.1f} | "
-            f"{ms['negotiation']:.1f} | {part['requests']} | {ms['overlap_bound']:.1f} |")
+            f"{ms['negotiation']:.1f} | {part['requests']} | {ms['in_step_bound']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -115,10 +115,6 @@ def _emulation(args) -> dict:
     return {"emulate": args.emulate, "dilation": args.dilation} if args.emulate else {}
 
 
-#: the op types that hand gradients to Horovod.
-HOROVOD_REDUCE_OPS = ("HorovodAllreduce", "HorovodGroupedAllreduce")
-
-
 def calm_timeline_writer(window_seconds: float = 1.0, busy_share: float = 0.05) -> int:
     """Horovod 0.28's timeline writer thread loops on ``sched_yield`` from ``hvd.init()``
     until shutdown on rank 0 whenever HOROVOD_TIMELINE is set, recording or not: one
@@ -156,8 +152,8 @@ def _traced_steps(built: dict, args) -> dict:
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    from tfoverlap.costs.trace import op_type_starts, step_span, step_timeline
-    from tfoverlap.rewriters.allreduce_grouping import is_plan_check
+    from tfoverlap.costs.trace import step_span, step_timeline
+    from tfoverlap.planning.caramel import gradient_submissions
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
                                       output_partition_graphs=True)
     traced = {}
@@ -171,11 +167,8 @@ def _traced_steps(built: dict, args) -> dict:
                 metadata = tf.compat.v1.RunMetadata()
                 session.run(fetch, options=options, run_metadata=metadata)
                 start, end = step_span(metadata)
-                submitted = op_type_starts(metadata, HOROVOD_REDUCE_OPS)
-                # Caramel's plan check reduces at the step's start: not a gradient.
-                ready = [micros for micros, name in submitted if not is_plan_check(name)]
+                ready, reducing = gradient_submissions(metadata)
                 # An AllReduce op lasts until its reduction is done: not compute.
-                reducing = {name for _, name in submitted}
                 compute = [entry for entry in step_timeline(metadata, origin=start)["compute"]
                            if entry[0] not in reducing]
                 steps.append({"span": [start, end], "ready": ready, "compute": compute})

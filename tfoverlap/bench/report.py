@@ -32,15 +32,16 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 RESULT_EXTRA = ("batch", "ps", "comm_over_comp", "transfer_span_s", "declined", "emulated",
                 "dilation", "host_busy", "worker_cpu_share", "breakdown", "command", "date")
-_ROW_KEY = ("model", "mode", "workers", "link", "variant")
+_ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps")   # PS rows: per PS count
 
 
 def write_result_rows(rows: list[dict], path: str, merge: bool = False,
                       command: str = "") -> None:
     """The machine-readable rows (docs/results/*.json): RESULT_FIELDS, then those of
     RESULT_EXTRA a row has; one JSON object per row, in a list. With ``merge``, rows
-    already in the file stay unless a new row has the same model, mode, workers, link and
-    variant; ``command`` (what reproduces the rows) and today's date go into each row."""
+    already in the file stay unless a new row has the same model, mode, workers, link,
+    variant and PS count; ``command`` (what reproduces the rows) and today's date go into
+    each row."""
     records = []
     for row in rows:
         row = {**row, **({"command": command, "date": time.strftime("%Y-%m-%d")}
@@ -52,7 +53,7 @@ def write_result_rows(rows: list[dict], path: str, merge: bool = False,
     if merge and os.path.exists(path):
         with open(path) as stream:
             kept = json.load(stream)
-        new_keys = {tuple(r[k] for k in _ROW_KEY) for r in records}
+        new_keys = {tuple(r.get(k) for k in _ROW_KEY) for r in records}
         records = [r for r in kept if tuple(r.get(k) for k in _ROW_KEY) not in new_keys] + records
     with open(path, "w") as stream:
         json.dump(records, stream, indent=1)

@@ -109,14 +109,14 @@ class StepBreakdown:
     requests: int                  # fused requests reduced in the step
 
     @property
-    def overlap_bound(self) -> float:
+    def in_step_bound(self) -> float:
         """The step if the ring never idled once the first gradient was ready and the
         compute kept its pace: what a perfect AllReduce schedule of this step could reach."""
         return max(self.until_last_gradient, self.first_gradient + self.ring) \
             + self.after_last_reduction
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "overlap_bound": self.overlap_bound}
+        return {**dataclasses.asdict(self), "in_step_bound": self.in_step_bound}
 
 
 def step_breakdown(step_start: float, step_end: float, gradient_ready,

@@ -24,16 +24,21 @@ from tfoverlap.graph.model import GraphModel, is_variable_op, tensor_bytes
 from tfoverlap.planning.emulation import emulated_op_seconds
 from tfoverlap.log import warn_once
 from tfoverlap.options import link_bandwidth
-from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR
+from tfoverlap.costs.horovod_timeline import StepBreakdown, TensorRecord, step_breakdown
+from tfoverlap.costs.trace import op_type_starts, step_span
+from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR, is_plan_check
 from tfoverlap.schedulers.caramel import (HOROVOD_FUSION_BYTES, Bucket,
                                           horovod_default_buckets, plan_buckets)
 from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 
 __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradients",
            "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
-           "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs"]
+           "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
+           "HOROVOD_REDUCE_OPS", "gradient_submissions", "traced_step_breakdown"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
+#: the op types that hand tensors to Horovod for reduction.
+HOROVOD_REDUCE_OPS = (ALLREDUCE_OP, "HorovodGroupedAllreduce")
 SPLIT_BYTES = 64e6      # gradients larger than this are planned in pieces
 
 
@@ -364,3 +369,29 @@ def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
                           request_latency(options.latency, ranks, cycle), op_seconds, threads,
                           options.split_bytes, tensor_sizes, options.bucket_bytes)
     return plan, PlanInputs(ranks, threads, cycle, source)
+
+
+def gradient_submissions(run_metadata, devices: str = "") -> tuple[list[int], set[str]]:
+    """(when each gradient was handed to Horovod in a traced step, µs since the epoch;
+    the names of all its reduce ops). Caramel's plan check reduces at the step's start
+    and is not a gradient."""
+    submitted = op_type_starts(run_metadata, HOROVOD_REDUCE_OPS, devices)
+    return ([micros for micros, name in submitted if not is_plan_check(name)],
+            {name for _, name in submitted})
+
+
+def traced_step_breakdown(run_metadata, records: dict[str, TensorRecord],
+                          devices: str = "") -> StepBreakdown:
+    """Where rank 0's traced step went, given Horovod's timeline of the same run.
+
+    Raises:
+      ValueError: no gradient in the step, or no reduction of the timeline inside it
+        (a timeline of another run).
+    """
+    start, end = step_span(run_metadata, devices)
+    ready, _ = gradient_submissions(run_metadata, devices)
+    breakdown = step_breakdown(start, end, ready, records)
+    if breakdown.ring <= 0:
+        raise ValueError("the timeline has no reduction inside the traced step (is it the "
+                         "timeline of the same run, written by rank 0?)")
+    return breakdown
