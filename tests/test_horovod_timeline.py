@@ -24,7 +24,11 @@ def test_a_timeline_gives_each_tensors_phases_on_the_epoch_clock():
         assert records["grad_b"].bytes == 400
 
 
-@pytest.mark.parametrize("text", ["", "{not json", '{"a": 1}'])
+@pytest.mark.parametrize("text", [
+    "", "{not json", '{"a": 1}',
+    '[{"name": "process_name", "pid": 1, "args": {"name": "t"}}, {"ph": "B", "pid": 1}]',
+    '[{"name": "process_name", "pid": 1, "args": {"name": "t"}}, '
+    '{"ph": "B", "name": "ALLREDUCE", "pid": 1, "ts": "x"}, {"ph": "E", "pid": 1, "ts": 5}]'])
 def test_a_corrupt_timeline_is_a_clear_error(text):
     with pytest.raises(ValueError, match="not a Horovod timeline"):
         read_timeline(text)

@@ -381,9 +381,12 @@ def _breakdown(args) -> int:
     metadata = _load_run_metadata(args.run_metadata)
     try:
         records = read_timeline(_read(args.horovod_timeline).decode("utf-8", "replace"))
-        part = traced_step_breakdown(metadata, records, args.device)
     except ValueError as error:
         raise CliError(f"{args.horovod_timeline}: {error}") from None
+    try:
+        part = traced_step_breakdown(metadata, records, args.device)
+    except ValueError as error:
+        raise CliError(f"{args.run_metadata} with {args.horovod_timeline}: {error}") from None
     ms = {key: value * 1e3 for key, value in part.as_dict().items() if key != "requests"}
     print(f"step {ms['step']:.2f} ms (rank 0)")
     print(f"  forward and backward, until the last gradient  {ms['until_last_gradient']:8.2f} ms"

@@ -51,6 +51,14 @@ def read_timeline(text: str) -> dict[str, TensorRecord]:
         raise ValueError(f"not a Horovod timeline (bad JSON: {error})") from None
     if not isinstance(events, list):
         raise ValueError("not a Horovod timeline (expected a JSON list of events)")
+    try:
+        return _records(events)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"not a Horovod timeline (an event lacks or mistypes "
+                         f"{error})") from None
+
+
+def _records(events: list) -> dict[str, TensorRecord]:
     origin = next((e["args"][_ORIGIN_KEY] for e in events if isinstance(e, dict)
                    and _ORIGIN_KEY in e.get("args", {})), 0)
     names = {e["pid"]: e["args"]["name"] for e in events if isinstance(e, dict)

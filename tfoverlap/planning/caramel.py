@@ -16,16 +16,16 @@ import sys
 
 import numpy as np
 
+from tfoverlap.costs.horovod_timeline import StepBreakdown, TensorRecord, step_breakdown
 from tfoverlap.costs.network import ring_allreduce_seconds
 from tfoverlap.costs.profile import load_profile
 from tfoverlap.costs.static import OP_OVERHEAD_SECONDS, static_costs
+from tfoverlap.costs.trace import op_type_starts, step_span
 from tfoverlap.graph.frames import analysed
 from tfoverlap.graph.model import GraphModel, is_variable_op, tensor_bytes
 from tfoverlap.planning.emulation import emulated_op_seconds
 from tfoverlap.log import warn_once
 from tfoverlap.options import link_bandwidth
-from tfoverlap.costs.horovod_timeline import StepBreakdown, TensorRecord, step_breakdown
-from tfoverlap.costs.trace import op_type_starts, step_span
 from tfoverlap.rewriters.allreduce_grouping import CARAMEL_ATTR, is_plan_check
 from tfoverlap.schedulers.caramel import (HOROVOD_FUSION_BYTES, Bucket,
                                           horovod_default_buckets, plan_buckets)
