@@ -21,7 +21,8 @@
 //   ready ops to its threads, and a second hand-over would add tens of µs to every op.
 //
 // Waiting takes no thread and no CPU: one timer thread per process sleeps until the
-// earliest pending end and hands the `done` callback to the device's worker threads.
+// earliest pending end, then completes a blocking kernel itself and hands a stream wait's
+// `done` callback to the device's worker threads.
 //
 // Outputs: views of one zero buffer per dtype and process, as large as the largest output
 // asked for (it grows when a larger one is). Each kernel takes its views once and returns
