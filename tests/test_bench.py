@@ -169,6 +169,34 @@ def test_result_rows_merge_into_the_docs_file(tmp_path):
         (4.0, None), (5.0, 2)]
 
 
+def test_horovod_rows_carry_the_step_caramel_predicted_for_each_variant(tmp_path):
+    """Each row is next to what Caramel's simulation predicted for it, in the rows' time
+    unit: the plan's step where Caramel planned, Horovod's fusion where it stepped aside
+    and for Horovod's defaults, nothing where nothing predicts (DDP buckets)."""
+    from tfoverlap.bench import allreduce
+    times = {"horovod": [0.4, 0.4, 0.4], "ddp25": [0.5] * 3, "caramel": [0.4] * 3,
+             "caramel_forced": [0.3] * 3, "compute_only": [0.2] * 3, "comm_only": [0.3] * 3}
+    result = {"model": "m", "batch": 4, "bandwidth": 1e9, "ranks": 8, "dilation": 2.0,
+              "emulate": "v100", "host_busy": 0.4, "times": times, "cpu": {},
+              "tensors": 3, "parameter_bytes": 1e6, "caramel": {
+                  "caramel": {"declined": "no gain", "predicted_step_s": 0.5,
+                              "predicted_horovod_step_s": 0.6},
+                  "caramel_forced": {"buckets": 2, "predicted_step_s": 0.5,
+                                     "predicted_horovod_step_s": 0.6}}}
+    rows = {row["variant"]: row for row in allreduce.summarize(result)}
+    assert rows["horovod"]["predicted_s"] == pytest.approx(0.3)       # 0.6 s / K
+    assert rows["caramel"]["predicted_s"] == pytest.approx(0.3)       # stepped aside
+    assert rows["caramel_forced"]["predicted_s"] == pytest.approx(0.25)
+    assert rows["caramel_forced"]["prediction_error"] == pytest.approx(0.25 / 0.15 - 1)
+    assert "predicted_s" not in rows["ddp25"]
+    table = allreduce.markdown_table(list(rows.values()))
+    assert "0.250 (+67%)" in table and "| n/a |" in table
+    path = str(tmp_path / "rows.json")
+    report.write_result_rows(list(rows.values()), path)
+    written = {row["variant"]: row for row in json.loads(open(path).read())}
+    assert written["caramel_forced"]["predicted_s"] == pytest.approx(0.25)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (namespaces, tc)")
 def test_an_emulated_ps_job_of_two_workers_trains_and_reports_in_emulated_time(tmp_path):
     """Emulated V100s with a fixed dilation: every variant (the computation-only reference

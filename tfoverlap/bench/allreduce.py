@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -236,8 +237,25 @@ def _tail(path: str, lines: int = 2) -> list[str]:
         return []
 
 
+def predicted_step(variant: str, caramel: dict) -> float:
+    """The step Caramel's simulation predicted for ``variant`` (seconds as planned; NaN
+    where nothing predicts it): its plan's step for a Caramel variant that planned, the
+    step under Horovod's own fusion for Horovod's defaults and for a Caramel variant that
+    stepped aside."""
+    summaries = {name: summary for name, summary in (caramel or {}).items() if summary}
+    if variant in CARAMEL_VARIANTS:
+        summary = summaries.get(variant) or {}
+        key = "predicted_horovod_step_s" if summary.get("declined") else "predicted_step_s"
+        return float(summary.get(key, math.nan))
+    if variant == "horovod":
+        return next((float(s["predicted_horovod_step_s"]) for s in summaries.values()
+                     if "predicted_horovod_step_s" in s), math.nan)
+    return math.nan
+
+
 def summarize(result: dict) -> list[dict]:
-    """One row per variant: median step, spread, speed-up over Horovod's defaults."""
+    """One row per variant: median step, spread, speed-up over Horovod's defaults, and
+    the step Caramel's simulation predicted for it (``predicted_s``, where it predicts one)."""
     from tfoverlap.bench import metrics
     scale = 1.0 / result.get("dilation", 1.0)     # emulated runs: wall -> emulated time
     times = {name: [t * scale for t in values] for name, values in result["times"].items()}
@@ -251,6 +269,7 @@ def summarize(result: dict) -> list[dict]:
         ratio, low, high = metrics.speedup(times["horovod"], times[name])
         caramel = (result["caramel"] or {}).get(name) or {}
         cpu = result.get("cpu", {}).get(name)
+        predicted = predicted_step(name, result["caramel"]) * scale
         rows.append({
             "model": result["model"], "mode": "training", "workers": result.get("ranks", 2),
             "emulated": result.get("emulate", ""), "dilation": result.get("dilation", 1.0),
@@ -268,6 +287,9 @@ def summarize(result: dict) -> list[dict]:
             "declined": bool(caramel.get("declined")),
             "predicted_gain": caramel.get("predicted_gain", ""),
         })
+        if math.isfinite(predicted):
+            rows[-1].update(predicted_s=predicted,
+                            prediction_error=predicted / spread.median - 1)
         breakdown = result.get("breakdown", {}).get(name)
         if breakdown:
             rows[-1]["breakdown"] = {key: value * (1 if key == "requests" else scale)
@@ -295,19 +317,23 @@ def breakdown_table(rows: list[dict]) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| model | link | batch | variant | iteration s (p10-p90) | speed-up (95% CI) | "
-             "comm/comp | E |", "|---|---|---|---|---|---|---|---|"]
+             "comm/comp | E | predicted s (error) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         speedup = ("1.00x" if row["variant"] == "horovod" else
                    f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f})")
         variant = row["variant"] + (f" ({row['caramel_buckets']} buckets)"
                                     if row["caramel_buckets"] != "" else "")
         efficiency = row["efficiency"]
+        predicted = row.get("predicted_s", math.nan)
+        prediction = ("n/a" if predicted != predicted
+                      else f"{predicted:.3f} ({row['prediction_error']:+.0%})")
         lines.append(
             f"| {row['model']} ({row['tensors']} tensors, {row['parameter_mb']:.0f} MB) | "
             f"{row['link']} | {row['batch']} | {variant} | {row['median_s']:.3f} "
             f"({row['p10_s']:.3f}-{row['p90_s']:.3f}) | {speedup} | "
             f"{row['comm_s']:.2f}/{row['comp_s']:.2f} = {row['comm_over_comp']:.2f} | "
-            f"{'n/a' if efficiency != efficiency else f'{efficiency:.2f}'} |")
+            f"{'n/a' if efficiency != efficiency else f'{efficiency:.2f}'} | "
+            f"{prediction} |")
     return "\n".join(lines) + "\n"
 
 

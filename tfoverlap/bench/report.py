@@ -31,7 +31,8 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 RESULT_EXTRA = ("batch", "ps", "comm_over_comp", "transfer_span_s", "declined", "emulated",
-                "dilation", "host_busy", "worker_cpu_share", "breakdown", "command", "date")
+                "dilation", "host_busy", "worker_cpu_share", "breakdown", "predicted_s",
+                "prediction_error", "command", "date")
 _ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps")   # PS rows: per PS count
 
 
