@@ -92,7 +92,8 @@ def test_backward_order_edges_chain_the_gradient_producers(horovod_graph):
     rewritten, report = _rewrite(horovod_graph, bucket_chain="finished")
     summary = report.passes[0].summary
     order = summary["gradient_order"]
-    assert len(order) == 7 and summary["order_edges"] == 6 + summary["requests"] - 1
+    assert len(order) == 7 and summary["order_edges"] == (
+        6 + len(summary["weight_first"]) + summary["requests"] - 1)
     nodes = {n.name: n for n in rewritten.node}
     for before, after in zip(order, order[1:]):
         assert "^" + before in nodes[after].input
@@ -100,6 +101,36 @@ def test_backward_order_edges_chain_the_gradient_producers(horovod_graph):
     for number in range(1, summary["requests"]):
         assert f"^tfoverlap/caramel/bucket_{number - 1}" in nodes[
             f"tfoverlap/caramel/bucket_{number}"].input
+
+
+def test_weight_gradients_go_first_where_the_ring_waits_for_them(horovod_graph):
+    """Per layer, from the plan: the weight gradients of the buckets the ring waits for
+    run before the other consumers of their inputs (the layer's input gradient), and
+    only those; the graph stays acyclic. Where compute is the bottleneck, nothing."""
+    import tensorflow as tf
+    from tfoverlap.planning.caramel import plan_allreduce
+    rewritten, report = _rewrite(horovod_graph, threads=1)
+    summary = report.passes[0].summary
+    pairs = summary["weight_first"]
+    assert pairs, summary
+    nodes = {n.name: n for n in rewritten.node}
+    for producer, sibling in pairs:
+        assert "^" + producer in nodes[sibling].input
+        assert {t.split(":")[0] for t in nodes[producer].input} & {
+            t.split(":")[0] for t in nodes[sibling].input if not t.startswith("^")}
+    verify_graph_def(rewritten, ["train"])
+    # The producers ordered first are exactly those of the buckets the ring waited for.
+    plan = plan_allreduce(horovod_graph, "caramel", 4, 100e6 / 8, 50e-6,
+                          {n.name: 1e-3 for n in horovod_graph.node}, threads=1)
+    first = {plan.model.names[p] for p, _ in plan.weight_first}
+    waited = [b for b in plan.buckets if b.start <= b.ready + 1e-12]
+    assert waited and first
+    producers = {plan.model.names[p] for p in plan.producers}
+    assert first <= producers and len(first) < len(producers)
+    with tf.Graph().as_default():
+        tf.graph_util.import_graph_def(rewritten, name="")       # TensorFlow accepts it
+    _, compute_bound = _rewrite(horovod_graph, bandwidth="100Gbit", threads=1)
+    assert compute_bound.passes[0].summary["weight_first"] == []
 
 
 def test_each_bucket_is_issued_once_the_inputs_of_the_one_before_exist(horovod_graph):

@@ -20,6 +20,13 @@ logger = logging.getLogger("tfoverlap")
 
 MEMORY_BYTES_PER_SECOND = 10e9     # streaming bandwidth of one core, roughly
 OP_OVERHEAD_SECONDS = 2e-6         # the executor's cost of scheduling any op
+#: ops that hand on a buffer (or only its shape) without touching its bytes: a variable's
+#: read, views, constants, shape queries. They cost the executor's overhead alone.
+NO_COPY_OPS = frozenset({
+    "Const", "HostConst", "VarHandleOp", "VariableV2", "ReadVariableOp", "Placeholder",
+    "PlaceholderWithDefault", "_Arg", "_Retval", "Identity", "IdentityN", "StopGradient",
+    "PreventGradient", "Reshape", "Squeeze", "ExpandDims", "Shape", "ShapeN", "Size", "Rank",
+    "NoOp"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +84,15 @@ def static_costs(graph_def, flops_per_second: float) -> StaticCosts:
             _cache[key] = work
             while len(_cache) > _CACHE_SIZE:
                 _cache.pop(next(iter(_cache)))
-    op_flops, op_bytes, sizes, ops = work
+    op_flops, op_bytes, sizes, ops, op_types = work
     op_seconds = {}
     for name, output_bytes in op_bytes.items():
         flops = op_flops.get(name)
-        seconds = (flops / flops_per_second if flops else
-                   output_bytes / MEMORY_BYTES_PER_SECOND)
+        if op_types[name] in NO_COPY_OPS:
+            seconds = 0.0
+        else:
+            seconds = (flops / flops_per_second if flops else
+                       output_bytes / MEMORY_BYTES_PER_SECOND)
         op_seconds[name] = OP_OVERHEAD_SECONDS + seconds
     return StaticCosts(op_seconds, dict(sizes), ops)
 
@@ -107,9 +117,9 @@ def _fingerprint(graph_def) -> str:
     return digest.hexdigest()
 
 
-def _op_work(graph_def) -> tuple[dict, dict, dict, dict]:
+def _op_work(graph_def) -> tuple[dict, dict, dict, dict, dict]:
     """(node -> FLOPs where TensorFlow counts them, node -> output bytes, known sizes,
-    node -> OpShapes)."""
+    node -> OpShapes, node -> op type)."""
     import tensorflow as tf
     from tensorflow.python.framework import ops as tf_ops
     from tensorflow.python.util import deprecation
@@ -120,6 +130,7 @@ def _op_work(graph_def) -> tuple[dict, dict, dict, dict]:
     with scratch.as_default():
         tf.graph_util.import_graph_def(_importable(graph_def), name="")
     op_flops, op_bytes, sizes, ops = {}, {}, {}, {}
+    op_types = {op.name: op.type for op in scratch.get_operations()}
     for op in scratch.get_operations():
         output_bytes = 0
         for slot, tensor in enumerate(op.outputs):
@@ -143,7 +154,7 @@ def _op_work(graph_def) -> tuple[dict, dict, dict, dict]:
             output_shapes=tuple(_static_dims(tensor) for tensor in op.outputs),
             input_bytes=None if None in input_sizes else sum(input_sizes),
             flops=flops or None, stateful=bool(op.op_def.is_stateful))
-    return op_flops, op_bytes, sizes, ops
+    return op_flops, op_bytes, sizes, ops, op_types
 
 
 def _importable(graph_def):

@@ -12,7 +12,12 @@ On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
    of the graph, so the chain never closes a cycle, and it is a function of the graph
    and the options alone, so every rank produces its gradients in the same order. When
    compute is the bottleneck the reductions keep up anyway, and a fixed order would only
-   risk holding back compute that runs differently from the estimates.
+   risk holding back compute that runs differently from the estimates. Per layer, the
+   weight gradient also runs before the other consumers of its upstream gradient (the
+   layer's input gradient) where the plan has the ring waiting for that gradient's bucket
+   (:func:`~tfoverlap.planning.caramel.waited_producers`), and the buckets are planned
+   for the ready times that order gives; where the ring is still busy with earlier
+   buckets, the executor keeps its own order.
 2. *Buckets.* :func:`tfoverlap.planning.caramel.plan_allreduce` picks bucket boundaries with the
    ring alpha-beta model and the expected ready times, splitting gradients larger than
    ``split_bytes``; each bucket becomes one ``HorovodGroupedAllreduce``, issued when its
@@ -175,17 +180,20 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
                    node_defs[names[0]].device, prefix)
     order_backward = _communication_bound(plan)
     producers = [model.names[p] for p in plan.producers] if order_backward else []
+    weight_first = ([(model.names[p], model.names[s]) for p, s in plan.weight_first]
+                    if order_backward else [])
     # Requests are issued in plan order: each waits for the one before it (see the option
     # bucket_chain). TensorFlow's executor would otherwise hand Horovod two ready buckets
     # in either order.
     rewritten, edges = add_ordering_edges(
-        rewritten, list(zip(producers, producers[1:]))
+        rewritten, list(zip(producers, producers[1:])) + weight_first
         + _chain_edges(rewritten, grouped, options.bucket_chain), marker=ORDER_ATTR)
     return PassResult(rewritten, True, {
         "allreduces": len(names), "buckets": len(plan.buckets), "requests": len(requests),
         "bucket_bytes": [b.size for b in plan.buckets],
         "split_gradients": sorted(piece_elements), "order_edges": edges,
         "order_backward": order_backward, "gradient_order": producers,
+        "weight_first": weight_first,
         "bucket_chain": options.bucket_chain, **prediction,
         "ranks": inputs.ranks, "threads": inputs.threads,
         "ready_times_from": inputs.ready_times_from, "plan_digest": digest,

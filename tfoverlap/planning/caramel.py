@@ -34,7 +34,8 @@ from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradients",
            "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
            "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
-           "HOROVOD_REDUCE_OPS", "gradient_submissions", "traced_step_breakdown"]
+           "HOROVOD_REDUCE_OPS", "gradient_submissions", "traced_step_breakdown",
+           "waited_producers"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 #: the op types that hand tensors to Horovod for reduction.
@@ -51,6 +52,10 @@ class GradientTimes:
     tails: list[float]        # compute that follows each one's reduction
     producers: list[int]      # the ops computing only gradients, in simulated start order
     left_out: dict = dataclasses.field(default_factory=dict)   # reason -> AllReduce names
+    # producer -> positions in ``nodes`` of the gradients it computes
+    producer_gradients: dict = dataclasses.field(default_factory=dict)
+    # (weight-gradient producer, an op it runs before): see ``weight_first``
+    weight_first: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -66,6 +71,20 @@ class AllreducePlan:
     left_out: dict = dataclasses.field(default_factory=dict)   # reason -> AllReduce names
     predicted_step: float = math.nan    # simulated step under these buckets (seconds)
     baseline_step: float = math.nan     # simulated step under Horovod's own fusion
+    # (weight-gradient producer, an op of the backward chain it runs before)
+    weight_first: list = dataclasses.field(default_factory=list)
+
+
+def waited_producers(times: GradientTimes, buckets: list[Bucket]) -> set[int]:
+    """The weight-gradient producers of the gradients in buckets that the ring waited for
+    (launched the moment their last gradient was ready, the ring idle until then). There,
+    each op the backward runs before such a weight gradient delays the ring by its time;
+    elsewhere the ring is still busy with earlier buckets, and the backward chain may go
+    first."""
+    waited = {piece.gradient for bucket in buckets
+              if bucket.start <= bucket.ready + 1e-12 for piece in bucket.pieces}
+    return {producer for producer, gradients in times.producer_gradients.items()
+            if waited.intersection(gradients) and producer in times.producers}
 
 
 def _gradient_bytes(graph_def, model: GraphModel, node: int, succs,
@@ -121,6 +140,37 @@ def _feeds_only_allreduces(model: GraphModel, data_consumers, producer: int,
     return False
 
 
+def _reaches(successors, source: int, target: int, position) -> bool:
+    """Whether ``target`` depends on ``source`` (nodes after ``target`` in the topological
+    ``position`` cannot lead to it)."""
+    limit = position[target]
+    frontier, seen = [source], {source}
+    while frontier:
+        node = frontier.pop()
+        if node == target:
+            return True
+        for following in successors[node]:
+            if following not in seen and position[following] <= limit:
+                seen.add(following)
+                frontier.append(following)
+    return False
+
+
+def _upstream_siblings(model: GraphModel, flow, successors, producer: int, finish,
+                       position, excluded: set) -> list[int]:
+    """The ops other than ``producer`` that consume the input it receives last (in the
+    simulated step: the upstream gradient, not a forward activation), leaving out
+    ``excluded`` ops, ops outside the root frame and ops ``producer`` depends on."""
+    inputs = model.data_inputs[producer]
+    if not inputs:
+        return []
+    upstream = max(inputs, key=lambda pair: (finish[pair[0]], position[pair[0]]))
+    return [consumer for consumer in dict.fromkeys(successors[upstream[0]])
+            if consumer != producer and consumer not in excluded
+            and upstream in model.data_inputs[consumer] and flow.is_plain(consumer)
+            and not _reaches(successors, consumer, producer, position)]
+
+
 def is_planned_allreduce(node_def) -> bool:
     """A HorovodAllreduce that Caramel may bucket (not one of its own plan-check ops)."""
     return node_def.op == ALLREDUCE_OP and CARAMEL_ATTR not in node_def.attr
@@ -128,13 +178,17 @@ def is_planned_allreduce(node_def) -> bool:
 
 def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
                         tensor_sizes: dict | None = None,
-                        network: tuple[int, float, float] | None = None) -> GradientTimes:
+                        network: tuple[int, float, float] | None = None,
+                        weight_first: frozenset = frozenset()) -> GradientTimes:
     """The graph's AllReduce nodes in the order their gradients become ready.
 
     One compute-only simulation of the step with ``op_seconds`` on ``threads`` threads
     (TensorFlow's inter-op pool). Ready ops run in critical-path priority: the longest
     remaining path, where an AllReduce counts its ring time under ``network`` (ranks,
     bytes/s, latency), so that gradients whose communication is long are produced early.
+    The weight-gradient producers in ``weight_first`` run before any other ready op; the
+    result's ``weight_first`` pairs each with the ops of the backward chain that it then
+    runs before (the other consumers of its upstream gradient).
     """
     model, flow = analysed(graph_def)
     succs = model.successors()
@@ -169,8 +223,10 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
             (remaining[c] for c in succs[node]), default=0.0)
         after[node] = max((work[c] + after[c] for c in succs[node]), default=0.0)
     # Lower priority runs first: the longest remaining path, then topological position.
+    urgent = np.zeros(model.num_nodes, dtype=bool)
+    urgent[list(weight_first)] = True
     priority = np.empty(model.num_nodes)
-    priority[np.lexsort((position, -remaining))] = np.arange(model.num_nodes)
+    priority[np.lexsort((position, -remaining, ~urgent))] = np.arange(model.num_nodes)
     problem = Problem(kind=np.full(model.num_nodes, COMPUTE, dtype=np.int8),
                       resource=np.zeros(model.num_nodes, dtype=np.int64), work=work,
                       successors=succs, priority=priority,
@@ -188,10 +244,26 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
                  if flow.is_plain(p) and _feeds_only_allreduces(model, data_consumers, p,
                                                                 reduced)]
     producers.sort(key=lambda p: (started[p], position[p]))
+    producer_gradients: dict[int, list[int]] = {}
+    for index, node in enumerate(nodes):
+        if model.data_inputs[node]:
+            producer_gradients.setdefault(_computing_producer(model, node), []).append(index)
+    finish = started + work
+    excluded = set(producers) | reduced
+
+    def order(node):     # the simulated order: a linear extension of the graph
+        return (started[node], position[node])
+
+    # Only pairs the simulation ran in this order: with the producer chain (same order)
+    # they can never close a cycle.
+    pairs = [(p, sibling) for p in producers if p in weight_first
+             for sibling in _upstream_siblings(model, flow, succs, p, finish, position,
+                                               excluded) if order(p) < order(sibling)]
     return GradientTimes(model=model, nodes=nodes, sizes=[sizes_by_node[v] for v in nodes],
                          ready=[float(started[v]) for v in nodes],
                          tails=[float(after[v]) for v in nodes], producers=producers,
-                         left_out=left_out)
+                         left_out=left_out, producer_gradients=producer_gradients,
+                         weight_first=pairs)
 
 
 def bucket_problem(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth: float,
@@ -236,19 +308,30 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
     if algorithm not in ("caramel", "default"):
         raise ValueError(f"unknown AllReduce algorithm {algorithm!r}: caramel or default")
     op_seconds = op_seconds or {}
-    times = allreduce_gradients(graph_def, op_seconds, threads, tensor_sizes,
-                                (ranks, bandwidth, latency))
-    sizes, ready, tails = times.sizes, times.ready, times.tails
+    network = (ranks, bandwidth, latency)
+    times = allreduce_gradients(graph_def, op_seconds, threads, tensor_sizes, network)
 
-    def plan(name, buckets):
-        return AllreducePlan(name, times.model, times.nodes, sizes, ready, tails, buckets,
-                             times.producers, times.left_out)
+    def plan(name, buckets, times=times):
+        return AllreducePlan(name, times.model, times.nodes, times.sizes, times.ready,
+                             times.tails, buckets, times.producers, times.left_out,
+                             weight_first=times.weight_first)
 
-    default = plan("default", horovod_default_buckets(sizes, ready, ranks, bandwidth, latency))
+    def caramel_buckets(times):
+        return plan_buckets(times.sizes, times.ready, ranks, bandwidth, latency, chunk_bytes,
+                            times.tails, threads, max_bucket_bytes)
+
+    default = plan("default", horovod_default_buckets(times.sizes, times.ready, *network))
     if algorithm == "default":
         return default
-    caramel = plan("caramel", plan_buckets(sizes, ready, ranks, bandwidth, latency,
-                                           chunk_bytes, tails, threads, max_bucket_bytes))
+    buckets = caramel_buckets(times)
+    waited = waited_producers(times, buckets)
+    if waited:
+        # Where the ring waits for a gradient, its weight gradient goes first: the
+        # gradients are ready earlier, and the buckets are planned for those times.
+        times = allreduce_gradients(graph_def, op_seconds, threads, tensor_sizes, network,
+                                    weight_first=frozenset(waited))
+        buckets = caramel_buckets(times)
+    caramel = plan("caramel", buckets, times)
 
     def step(candidate):
         return simulate(bucket_problem(candidate, op_seconds, ranks, bandwidth, latency,
@@ -256,8 +339,8 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
 
     # Horovod's fusion with a buffer no larger than the bucket cap, if that is faster.
     fused = plan("default", horovod_default_buckets(
-        sizes, ready, ranks, bandwidth, latency,
-        fusion_bytes=min(HOROVOD_FUSION_BYTES, max_bucket_bytes)))
+        times.sizes, times.ready, *network,
+        fusion_bytes=min(HOROVOD_FUSION_BYTES, max_bucket_bytes)), times)
     caramel.predicted_step = step(caramel)
     fused_step = step(fused)
     if fused_step < caramel.predicted_step:
