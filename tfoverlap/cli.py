@@ -442,7 +442,8 @@ def _simulate(args) -> int:
     predictions = _predict(graph_def, scenario, args, profile)
     print(f"one iteration, {scenario.workers} workers, "
           f"{scenario.bandwidth * 8 / 1e9:g} Gbit/s per link, {scenario.threads} inter-op "
-          f"threads, costs from {'profile ' + args.profile if profile else 'sizes only (no profile: compute is free)'}")
+          f"threads, costs from "
+          f"{'profile ' + args.profile if profile else 'sizes only (no profile: compute is free)'}")
     baseline = next((p.iteration for p in predictions if p.algorithm == "default"), None)
     print(f"{'algorithm':<10}{'iteration s':>12}{'comm s':>9}{'comp s':>9}{'E':>7}"
           f"{'bound s':>9}{'gain':>8}")

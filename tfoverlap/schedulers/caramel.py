@@ -69,9 +69,10 @@ def plan_buckets(sizes: Sequence[int], ready: Sequence[float], ranks: int, bandw
     (``ready`` must not decrease). ``tails[i]``: compute that must follow gradient i's
     reduction (its variable update); a bucket's tail is the longest of its gradients' tails
     or their sum over ``threads`` (the updates share the compute threads), and the step ends
-    at the latest ``finish + tail`` over the buckets. Without tails the plan is optimal among all consecutive bucketings (dynamic
-    programming over the ready order); with tails the program keeps, per prefix, the plan
-    with the earliest end and then the earliest finish, and the result is never worse than
+    at the latest ``finish + tail`` over the buckets. Without tails the plan is optimal
+    among all consecutive bucketings (dynamic programming over the ready order); with tails
+    the program keeps, per prefix, the plan with the earliest end and then the earliest
+    finish, and the result is never worse than
     Horovod's own fusion (:func:`horovod_default_buckets`), which is taken if it is better.
     ``max_bucket_bytes`` caps a bucket of several pieces (one piece may exceed it): smaller
     requests pipeline, as the reduction of one overlaps the copies of the next.

@@ -80,7 +80,8 @@ class _PsGraph:
         node_task = [-1] * model.num_nodes
         for node in range(model.num_nodes):
             if host[node] >= 0:
-                seconds = op_seconds.get(model.names[node], 0.0) if host[node] == worker_host else 0.0
+                seconds = (op_seconds.get(model.names[node], 0.0) if host[node] == worker_host
+                           else 0.0)
                 node_task[node] = tasks.add(COMPUTE, host[node], seconds)
         self.channels: list[tuple[int, int]] = []
         channel_index: dict[tuple[int, int], int] = {}

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["PsModel", "MODEL_NAMES", "CIFAR_MODELS", "cifar_resnet", "chain_model", "parallel_model", "keras_model",
-           "transformer_model", "control_flow_model", "build_model"]
+__all__ = ["PsModel", "MODEL_NAMES", "CIFAR_MODELS", "cifar_resnet", "chain_model",
+           "parallel_model", "keras_model", "transformer_model", "control_flow_model",
+           "build_model"]
 
 KERAS_APPLICATIONS = {"resnet50": "ResNet50", "inception_v3": "InceptionV3",
                       "vgg16": "VGG16", "resnet152": "ResNet152",
