@@ -133,6 +133,31 @@ def test_weight_gradients_go_first_where_the_ring_waits_for_them(horovod_graph):
     assert compute_bound.passes[0].summary["weight_first"] == []
 
 
+def test_the_predicted_step_lets_horovod_fuse_buckets_queued_behind_a_busy_ring(
+        horovod_graph):
+    """Buckets handed to Horovod while the ring is busy go out as one request at its next
+    cycle (measured: 29 planned buckets reached the ring as 4 requests), so the
+    simulation charges them one request; buckets that wait for the one before to be
+    reduced pay one each."""
+    from tfoverlap.planning.caramel import bucket_problem, plan_allreduce
+    from tfoverlap.sim.engine import COLLECTIVE, simulate
+    op_seconds = {n.name: 1e-4 for n in horovod_graph.node}
+    plan = plan_allreduce(horovod_graph, "caramel", 4, 10e6, 1e-4, op_seconds, threads=1,
+                          chunk_bytes=2 ** 20)
+    queued = [b for b in plan.buckets[1:] if b.start > b.ready]
+    assert len(plan.buckets) >= 3 and queued
+    # Requests that cost 2 ms of latency each: one request fewer is worth more than the
+    # overlap of one bucket's updates with the next bucket's ring.
+    fused = bucket_problem(plan, op_seconds, 4, 10e6, 2e-3, 1)
+    separate = bucket_problem(plan, op_seconds, 4, 10e6, 2e-3, 1, fuse_queued=False)
+    requests = int((fused.kind == COLLECTIVE).sum())
+    assert int((separate.kind == COLLECTIVE).sum()) == len(plan.buckets) > requests
+    assert simulate(fused).makespan < simulate(separate).makespan
+    saved = (len(plan.buckets) - requests) * 2 * 3 * 2e-3      # 2 (n - 1) latencies each
+    assert sum(separate.work[separate.kind == COLLECTIVE]) - sum(
+        fused.work[fused.kind == COLLECTIVE]) == pytest.approx(saved)
+
+
 def test_each_bucket_is_issued_once_the_inputs_of_the_one_before_exist(horovod_graph):
     rewritten, report = _rewrite(horovod_graph)
     summary = report.passes[0].summary
@@ -313,6 +338,52 @@ def test_caramel_trains_exactly_like_horovod(network, ranks, controller, variant
     # ranks planned the same buckets.
     digests = {reports[(r, variants[1])]["plan"]["plan_digest"] for r in range(ranks)}
     assert len(digests) == 1
+
+
+def test_a_profiled_warm_up_plans_with_measured_times_and_trains_like_horovod(network):
+    """configure(profile_steps=2): every rank plans with rank 0's measured op times (the
+    same plan on both ranks), and training is plain Horovod's."""
+    reports = _reports(_job(network, 2, "gloo", ["graph", "4", "horovod", "dropin"],
+                            env={"CARAMEL_TEST_PROFILE_STEPS": "2"}), 2)
+    for rank in (0, 1):
+        record = reports[(rank, "dropin")]
+        assert record["plan"]["ready_times_from"] == "profile", record["plan"]
+        np.testing.assert_allclose(record["losses"], reports[(rank, "horovod")]["losses"],
+                                   rtol=1e-5, err_msg=f"rank {rank}")
+    assert len({reports[(r, "dropin")]["plan"]["plan_digest"] for r in (0, 1)}) == 1
+
+
+def test_the_warm_up_times_the_gradients_in_a_copy_and_names_what_it_cannot_feed():
+    import tensorflow as tf
+    from tfoverlap.integrations.warmup_profile import WarmupError, profile_gradients
+    graph = tf.Graph()
+    with graph.as_default():
+        weight = tf.compat.v1.get_variable("w", [64, 64], use_resource=True)
+        static = tf.compat.v1.placeholder(tf.float32, [32, 64], name="static")
+        loss = tf.reduce_sum(tf.matmul(tf.nn.relu(tf.matmul(static, weight)), weight))
+        gradient, = tf.gradients(loss, [weight])
+        dynamic = tf.compat.v1.placeholder(tf.float32, [None, 64], name="dynamic")
+        other, = tf.gradients(tf.reduce_sum(tf.matmul(dynamic, weight)), [weight])
+    ops_before = len(graph.get_operations())
+    measured = profile_gradients(graph, [gradient], steps=2)
+    assert len(graph.get_operations()) == ops_before       # the user's graph: untouched
+    assert measured.steps == 2
+    timed = {name for name in measured.op_seconds if name.startswith("gradients/")}
+    assert any("MatMul" in name for name in timed), sorted(measured.op_seconds)
+    assert all(value >= 0 for value in measured.op_seconds.values())
+    with pytest.raises(WarmupError, match="dynamic"):
+        profile_gradients(graph, [other], steps=1)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"profile_steps": -1}, "profile_steps must be an integer from 0 to 100"),
+    ({"profile_steps": 2.5}, "profile_steps must be an integer"),
+    ({"profile_steps": 2, "profile": "p.json"}, "not both"),
+])
+def test_bad_warm_up_options_are_named(options, message):
+    import tfoverlap.horovod as tfo_hvd
+    with pytest.raises(ValueError, match=message):
+        tfo_hvd.configure(**options)
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])

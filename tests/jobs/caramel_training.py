@@ -37,7 +37,8 @@ OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6, force=True,
                flops=float(os.environ.get("CARAMEL_TEST_FLOPS", 1e11)),
                bucket_chain=os.environ.get("CARAMEL_TEST_CHAIN", "issued"),
                bucket_bytes=float(os.environ.get("CARAMEL_TEST_BUCKET_BYTES", 4 * 2 ** 20)))
-tfo_hvd.configure(**OPTIONS)
+# CARAMEL_TEST_PROFILE_STEPS: the drop-ins plan from a profiled warm-up of that many steps.
+tfo_hvd.configure(**OPTIONS, profile_steps=int(os.environ.get("CARAMEL_TEST_PROFILE_STEPS", 0)))
 PARALLEL = os.environ.get("CARAMEL_TEST_MODEL") == "parallel"
 CONTROL_FLOW = os.environ.get("CARAMEL_TEST_MODEL") == "control_flow"
 BRANCHES = 8

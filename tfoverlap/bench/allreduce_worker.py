@@ -13,6 +13,8 @@ Variants (each its own graph and session, same model, batch and seed):
                 no options: it steps aside where it predicts no gain.
   caramel_forced    the same, planning even where it predicts no gain (force=True).
   caramel_finished  forced, each bucket issued only once the one before is reduced.
+  caramel_profiled  forced, planned with op times from a profiled warm-up of 3 steps
+                (``configure(profile_steps=3)``) instead of static estimates.
   compute_only  the same model with a local optimizer: the step without communication.
   comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
 
@@ -42,7 +44,8 @@ __all__ = ["ddp_groups", "main"]
 
 #: the Caramel variants and the options each configures the wrappers with.
 CARAMEL_VARIANTS = {"caramel": {}, "caramel_forced": {"force": True},
-                    "caramel_finished": {"force": True, "bucket_chain": "finished"}}
+                    "caramel_finished": {"force": True, "bucket_chain": "finished"},
+                    "caramel_profiled": {"force": True, "profile_steps": 3}}
 VARIANT_NAMES = ("horovod", "autotune", "ddp25", *CARAMEL_VARIANTS, "compute_only",
                  "comm_only")
 MIB = 2 ** 20

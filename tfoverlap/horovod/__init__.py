@@ -14,13 +14,18 @@ results, with the backward order fixed and the gradients reduced in planned buck
   Eagerly executed steps have no graph to schedule and run as plain Horovod.
 
 The network model (alpha, beta) is what :func:`configure` was given, else it is measured
-once with a few AllReduces of two sizes; without a profile, op times are TensorFlow's FLOP
-counts over a measured matrix-product rate. Rank 0's measurements and host facts (compute
+once with a few AllReduces of two sizes. Op times come from a profile (``profile=``), from
+a profiled warm-up of the graph being built (``profile_steps=N``, graph mode: N traced
+steps of the gradients in a private copy of the graph,
+:mod:`tfoverlap.integrations.warmup_profile`), else from TensorFlow's FLOP counts over a
+measured matrix-product rate. Rank 0's measurements, profile and host facts (compute
 threads, Horovod's cycle) are used by every rank so that all ranks plan alike.
 """
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -31,16 +36,32 @@ __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "meas
            "measure_flops", "host_facts", "network_model", "caramel_options"]
 
 _configured: dict = {}
+_configured_warmup: dict = {}
 _measured: dict = {}
 
 
-def configure(**options) -> None:
+def configure(profile_steps: int = 0, **options) -> None:
     """Options for the Caramel pass the wrappers run (see :class:`tfoverlap.options.Options`:
-    bandwidth, latency, split_bytes, flops, profile, ...). Validated here."""
+    bandwidth, latency, split_bytes, flops, profile, ...). Validated here.
+
+    ``profile_steps=N``: graph-mode optimizers plan with op times measured by N traced
+    warm-up steps of the gradients (rank 0's; every rank must configure alike) instead of
+    static estimates. Where the warm-up cannot run, a warning says why and the estimates
+    are used."""
     from tfoverlap.options import parse_options
+    if (not isinstance(profile_steps, int) or isinstance(profile_steps, bool)
+            or not 0 <= profile_steps <= 100):
+        raise ValueError(f"profile_steps must be an integer from 0 to 100, not "
+                           f"{profile_steps!r}")
+    if profile_steps and options.get("profile"):
+        raise ValueError("give either profile (a profile file) or profile_steps (a "
+                           "profiled warm-up), not both")
     parse_options({**options, "allreduce": "caramel"})
     _configured.clear()
     _configured.update(options)
+    _configured_warmup.clear()
+    if profile_steps:
+        _configured_warmup["profile_steps"] = profile_steps
 
 
 def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
@@ -94,15 +115,31 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
     return float(result[0]), float(result[1])
 
 
-def _from_rank0(values: list[float], name: str) -> list[float]:
-    """Rank 0's ``values``, on every rank (fed, so that Grappler cannot fold the broadcast)."""
+def _array_from_rank0(values: np.ndarray, name: str) -> np.ndarray:
+    """Rank 0's ``values`` (a 1-D array of the same length and dtype on every rank), on
+    every rank (fed, so that Grappler cannot fold the broadcast)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
     with tf.Graph().as_default() as graph:
-        fed = tf.compat.v1.placeholder(tf.float64, [len(values)])
+        fed = tf.compat.v1.placeholder(tf.as_dtype(values.dtype), [len(values)])
         agreed = hvd.broadcast(fed, 0, name=name)
     with tf.compat.v1.Session(graph=graph) as session:
-        return [float(v) for v in session.run(agreed, {fed: values})]
+        return session.run(agreed, {fed: values})
+
+
+def _from_rank0(values: list[float], name: str) -> list[float]:
+    """Rank 0's ``values``, on every rank."""
+    return [float(v) for v in _array_from_rank0(np.array(values, np.float64), name)]
+
+
+def _bytes_from_rank0(payload: bytes, name: str) -> bytes:
+    """Rank 0's ``payload``, on every rank (whatever the others hold)."""
+    length = int(_from_rank0([float(len(payload))], name + "_length")[0])
+    if not length:
+        return b""
+    mine = np.frombuffer(payload, np.uint8) if len(payload) == length else np.zeros(
+        length, np.uint8)
+    return _array_from_rank0(mine, name).tobytes()
 
 
 def measure_flops() -> float:
@@ -178,21 +215,66 @@ def _reduce_without_cond(grads, device_dense, device_sparse, compression, sparse
 EMULATION_OPTIONS = ("emulate", "dilation", "emulate_streams", "emulate_blocking")
 
 
-def _schedule_in_place(graph) -> None:
+def warmup_profile(graph, gradients, steps: int, options: dict) -> str:
+    """Every rank runs the profiled warm-up (so that the ranks contend for the host as in
+    training); rank 0's profile is written to a file of this rank and its path returned,
+    or "" (with a warning) where rank 0's warm-up could not run."""
+    from tfoverlap.costs.profile import Profile, load_profile, save_profile
+    from tfoverlap.integrations.warmup_profile import WarmupError, profile_gradients
+    config = None
+    if options.get("emulate"):
+        from tfoverlap.api import session_config
+        config = session_config(schedule="none", **{name: options[name]
+                                                     for name in EMULATION_OPTIONS
+                                                     if name in options})
+    began = time.perf_counter()
+    try:
+        measured = profile_gradients(graph, gradients, steps, config)
+        payload = json.dumps(measured.to_json()).encode()
+    except WarmupError as error:
+        logger.warning("tfoverlap: the profiled warm-up (profile_steps=%d) cannot run: %s",
+                       steps, error)
+        payload = b""
+    shared = _bytes_from_rank0(payload, "tfoverlap_warmup_profile")
+    if not shared:
+        logger.warning("tfoverlap: no profiled warm-up on rank 0; Caramel plans with static "
+                       "estimates")
+        return ""
+    handle, path = tempfile.mkstemp(prefix="tfoverlap-warmup-", suffix=".json")
+    os.close(handle)
+    save_profile(Profile(**{key: value for key, value in json.loads(shared).items()
+                            if key not in ("format", "version")}), path)
+    loaded = load_profile(path)           # validated like any profile file
+    logger.info("tfoverlap: profiled warm-up: %d steps, %d ops timed in %.1f s (rank 0's)",
+                loaded.steps, len(loaded.op_seconds), time.perf_counter() - began)
+    return path
+
+
+def _schedule_in_place(graph, gradients=()) -> None:
     """Runs the Caramel pass on ``graph`` as built so far and applies it in place.
 
-    With ``emulate`` configured Caramel plans with the emulated op times, and the
-    emulation itself, which replaces ops (a graph being built cannot have ops replaced),
-    is left to the sessions: every session created afterwards runs the emulate pass."""
+    With ``profile_steps`` configured it plans with the op times of a profiled warm-up of
+    ``gradients``. With ``emulate`` configured Caramel plans with the emulated op times,
+    and the emulation itself, which replaces ops (a graph being built cannot have ops
+    replaced), is left to the sessions: every session created afterwards runs the emulate
+    pass."""
     from tfoverlap.api import enable_for_sessions
     from tfoverlap.integrations.live_graph import apply_rewrite
     from tfoverlap.options import parse_options
     from tfoverlap.passes.base import REPORTS, PassContext
     from tfoverlap.passes.pipeline import run_pipeline
     options = caramel_options()
+    steps = _configured_warmup.get("profile_steps", 0)
+    profiled = warmup_profile(graph, gradients, steps, options) if steps and gradients else ""
+    if profiled:
+        options["profile"] = profiled
     before = graph.as_graph_def()
     context = PassContext(options=parse_options(options), skip=("emulate",))
-    after, report = run_pipeline(before, context)
+    try:
+        after, report = run_pipeline(before, context)
+    finally:
+        if profiled:
+            os.remove(profiled)
     if options.get("emulate"):
         enable_for_sessions(schedule="none", **{name: options[name]
                                                 for name in EMULATION_OPTIONS if name in options})
@@ -260,7 +342,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         reduced = [tf.identity(r) if isinstance(r, tf.Tensor) else r for r in reduced]
         dense = [r for r in reduced if isinstance(r, tf.Tensor)]
         if dense:
-            _schedule_in_place(dense[0].graph)
+            _schedule_in_place(dense[0].graph, [g for g in grads if isinstance(g, tf.Tensor)])
         return reduced
 
     wrapped._allreduce_grads = reduce_and_schedule  # noqa: SLF001 - Horovod's hook
@@ -269,6 +351,10 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 
 def _enable_for_functions() -> None:
     from tfoverlap.api import enable_for_tf_function
+    if _configured_warmup.get("profile_steps"):
+        logger.warning("tfoverlap: profile_steps applies to graph-mode (tf.compat.v1) "
+                       "optimizers; tf.function steps are planned when first traced, with "
+                       "static estimates or a profile file (profile=)")
     enable_for_tf_function(**caramel_options())
 
 

@@ -268,22 +268,36 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
 
 def bucket_problem(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth: float,
                    latency: float, threads: int, compute_scale: float = 1.0,
-                   collective_scale: float = 1.0) -> Problem:
+                   collective_scale: float = 1.0, fuse_queued: bool = True) -> Problem:
     """One iteration under ``plan`` as simulator tasks: the graph's ops on one device, one
-    collective per bucket between its gradients' producers and their AllReduce nodes."""
+    collective per request between its gradients' producers and their AllReduce nodes.
+
+    With ``fuse_queued`` the requests are what Horovod makes of the buckets: every cycle
+    its background thread fuses the buckets that were handed to it while the ring was
+    busy (:func:`~tfoverlap.schedulers.caramel.horovod_default_buckets` over the buckets'
+    sizes and ready times), so queued buckets pay one request, not one each."""
     model = plan.model
     reduced = set(plan.nodes)
     kind = [COMPUTE] * model.num_nodes
     work = [0.0 if v in reduced else op_seconds.get(name, 0.0) * compute_scale
             for v, name in enumerate(model.names)]
     successors = [list(dict.fromkeys(s)) for s in model.successors()]
-    for bucket in plan.buckets:
+    if fuse_queued and plan.buckets:
+        fused = horovod_default_buckets([b.size for b in plan.buckets],
+                                        [b.ready for b in plan.buckets], ranks, bandwidth,
+                                        latency)
+        requests = [[piece for member in request.pieces
+                     for piece in plan.buckets[member.gradient].pieces] for request in fused]
+    else:
+        requests = [list(bucket.pieces) for bucket in plan.buckets]
+    for pieces in requests:
         collective = len(kind)
         kind.append(COLLECTIVE)
-        work.append(collective_scale * float(ring_allreduce_seconds(bucket.size, ranks,
-                                                                    bandwidth, latency)))
+        size = sum(piece.size for piece in pieces)
+        work.append(collective_scale * float(ring_allreduce_seconds(size, ranks, bandwidth,
+                                                                    latency)))
         successors.append([])
-        for node in dict.fromkeys(plan.nodes[piece.gradient] for piece in bucket.pieces):
+        for node in dict.fromkeys(plan.nodes[piece.gradient] for piece in pieces):
             for pred in dict.fromkeys(model.predecessors(node)):
                 successors[pred].append(collective)
             successors[collective].append(node)
@@ -298,12 +312,15 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
                    op_seconds: dict | None = None, threads: int = 2,
                    chunk_bytes: float = SPLIT_BYTES,
                    tensor_sizes: dict | None = None,
-                   max_bucket_bytes: float = math.inf) -> AllreducePlan:
+                   max_bucket_bytes: float = math.inf,
+                   fuse_queued: bool = True) -> AllreducePlan:
     """The buckets ``algorithm`` ("caramel" or Horovod's "default") makes of the graph.
 
     Caramel's dynamic program models the step coarsely (a bucket's updates as a tail); the
     plan it returns is the faster, in a simulation of the whole step, of its own and
-    Horovod's fusion with a buffer of at most ``max_bucket_bytes``.
+    Horovod's fusion with a buffer of at most ``max_bucket_bytes``. ``fuse_queued``: the
+    simulation lets Horovod fuse buckets queued behind a busy ring (buckets issued as
+    soon as they exist; not where each waits for the one before to be reduced).
     """
     if algorithm not in ("caramel", "default"):
         raise ValueError(f"unknown AllReduce algorithm {algorithm!r}: caramel or default")
@@ -335,7 +352,7 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
 
     def step(candidate):
         return simulate(bucket_problem(candidate, op_seconds, ranks, bandwidth, latency,
-                                       threads)).makespan
+                                       threads, fuse_queued=fuse_queued)).makespan
 
     # Horovod's fusion with a buffer no larger than the bucket cap, if that is faster.
     fused = plan("default", horovod_default_buckets(
@@ -450,7 +467,8 @@ def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
     op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
     plan = plan_allreduce(graph_def, "caramel", ranks, link_bandwidth(options),
                           request_latency(options.latency, ranks, cycle), op_seconds, threads,
-                          options.split_bytes, tensor_sizes, options.bucket_bytes)
+                          options.split_bytes, tensor_sizes, options.bucket_bytes,
+                          fuse_queued=options.bucket_chain != "finished")
     return plan, PlanInputs(ranks, threads, cycle, source)
 
 
