@@ -160,13 +160,15 @@ def _upstream_siblings(model: GraphModel, flow, successors, producer: int, finis
                        position, excluded: set) -> list[int]:
     """The ops other than ``producer`` that consume the input it receives last (in the
     simulated step: the upstream gradient, not a forward activation), leaving out
-    ``excluded`` ops, ops outside the root frame and ops ``producer`` depends on."""
+    ``excluded`` ops, Identities, ops outside the root frame and ops ``producer`` depends
+    on."""
     inputs = model.data_inputs[producer]
     if not inputs:
         return []
     upstream = max(inputs, key=lambda pair: (finish[pair[0]], position[pair[0]]))
     return [consumer for consumer in dict.fromkeys(successors[upstream[0]])
             if consumer != producer and consumer not in excluded
+            and model.ops[consumer] not in _FORWARDING_OPS      # Grappler drops these
             and upstream in model.data_inputs[consumer] and flow.is_plain(consumer)
             and not _reaches(successors, consumer, producer, position)]
 
