@@ -376,6 +376,50 @@ def test_the_warm_up_times_the_gradients_in_a_copy_and_names_what_it_cannot_feed
         profile_gradients(graph, [other], steps=1)
 
 
+_WARMUP_JOB = """
+import json, os, sys
+import horovod.tensorflow as hvd
+import tensorflow as tf
+import tfoverlap.horovod as tfo_hvd
+from tfoverlap.costs.profile import load_profile
+tf.compat.v1.disable_eager_execution()
+hvd.init()
+graph = tf.Graph()
+with graph.as_default():
+    weight = tf.compat.v1.get_variable("w", [32, 32], use_resource=True)
+    batch = None if sys.argv[1] == "dynamic" else 8
+    inputs = tf.compat.v1.placeholder(tf.float32, [batch, 32], name="inputs")
+    gradient, = tf.gradients(tf.reduce_sum(tf.matmul(inputs, weight)), [weight])
+path = tfo_hvd.warmup_profile(graph, [gradient], 2, {})
+result = {"path": path}
+if path:
+    result["ops"] = len(load_profile(path).op_seconds)
+    os.remove(path)
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("batch", ["static", "dynamic"])
+def test_a_warm_up_that_cannot_run_leaves_the_static_estimates_with_a_warning(tmp_path,
+                                                                              batch):
+    """Rank 0's warm-up is shared through Horovod; where it cannot run (a placeholder of
+    unknown batch size), the wrapper says why in one warning and plans without it."""
+    import subprocess
+    script = tmp_path / "warmup.py"
+    script.write_text(_WARMUP_JOB)
+    env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+    result = subprocess.run([sys.executable, str(script), batch], env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    if batch == "static":
+        assert record["path"] and record["ops"] > 0
+    else:
+        assert record["path"] == ""
+        assert "placeholder 'inputs' has no static shape" in result.stderr
+        assert "Caramel plans with static estimates" in result.stderr
+
+
 @pytest.mark.parametrize("options, message", [
     ({"profile_steps": -1}, "profile_steps must be an integer from 0 to 100"),
     ({"profile_steps": 2.5}, "profile_steps must be an integer"),
