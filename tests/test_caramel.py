@@ -431,6 +431,24 @@ def test_bad_warm_up_options_are_named(options, message):
         tfo_hvd.configure(**options)
 
 
+def test_cross_step_defers_the_last_gradients_and_trains_exactly_like_horovod(network):
+    """configure(cross_step=True): the gradients ready last are stored at the end of a
+    step and reduced and applied at the start of the next run, before the forward pass
+    reads them. The losses are Horovod's bit for bit; the deferred variables lag one
+    update until the flush, and match Horovod's after it. (A slow compute estimate leaves
+    the ring a tail after the last gradient, which is what gets deferred.)"""
+    reports = _reports(_job(network, 2, "gloo", ["graph", "4", "horovod", "deferred"],
+                            env={"CARAMEL_TEST_FLOPS": "2e8"}), 2)
+    for rank in (0, 1):
+        plain, deferred = reports[(rank, "horovod")], reports[(rank, "deferred")]
+        assert deferred["losses"] == plain["losses"], rank
+        assert deferred["weights"] == plain["weights"], rank
+        lagging = [i for i, (before, after) in enumerate(zip(deferred["before_flush"],
+                                                             deferred["weights"]))
+                   if before != after]
+        assert 0 < len(lagging) < len(plain["weights"]), lagging
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_keras_model_fit_trains_with_caramels_plan_like_horovod_keras(network, controller):
     """tfoverlap.horovod.keras.DistributedOptimizer in model.fit: Horovod Keras's losses,

@@ -1,8 +1,9 @@
 """A Horovod training job for the Caramel tests: prints each variant's losses as JSON.
 
 argv: MODE (graph | tf2 | keras) STEPS VARIANT... with VARIANT one of horovod (plain
-Horovod), flag (the session config / tf.function flag) and dropin (tfoverlap.horovod's
-wrappers; tfoverlap.horovod.keras's in keras mode, which trains with model.fit).
+Horovod), flag (the session config / tf.function flag), dropin (tfoverlap.horovod's
+wrappers; tfoverlap.horovod.keras's in keras mode, which trains with model.fit) and
+deferred (graph mode: the drop-in with cross_step, final weights after its flush).
 Every rank trains the same small conv + dense model from the same initial weights on its
 own data (seeded by rank), so the losses depend on the reduction being right. Graph-mode
 runs trace every step and report the order in which the gradient producers started.
@@ -80,6 +81,10 @@ def caramel_summaries():
 
 
 def train_graph(variant):
+    """Also reports the final weights (after the deferred updates' flush, for the
+    "deferred" variant: the drop-in with cross_step)."""
+    if variant == "deferred":
+        tfo_hvd.configure(**OPTIONS, cross_step=True)
     graph = tf.Graph()
     with graph.as_default():
         weights = [tf.compat.v1.get_variable(f"w{i}", initializer=w, use_resource=True)
@@ -88,11 +93,14 @@ def train_graph(variant):
         y = tf.compat.v1.placeholder(tf.int64, [16])
         even = tf.compat.v1.placeholder(tf.bool, [])
         loss = forward(weights, x, y, even)
-        distributed = tfo_hvd if variant == "dropin" else hvd
+        distributed = tfo_hvd if variant in ("dropin", "deferred") else hvd
         optimizer = distributed.DistributedOptimizer(
             tf.compat.v1.train.MomentumOptimizer(0.05, 0.9))
         train = optimizer.minimize(loss)
         init = tf.compat.v1.global_variables_initializer()
+        flush = tfo_hvd.flush_op()
+    if variant == "deferred":
+        tfo_hvd.configure(**OPTIONS)
     config = (tfoverlap.session_config(allreduce="caramel", schedule="none", **OPTIONS)
               if variant == "flag" else None)
     losses, started = [], []
@@ -107,6 +115,14 @@ def train_graph(variant):
             losses.append(float(value))
             started.append({n.node_name: n.all_start_micros
                             for d in metadata.step_stats.dev_stats for n in d.node_stats})
+        def digest():    # per weight: sum, sum of squares (float64), first values
+            return [[float(np.sum(w, dtype=np.float64)),
+                     float(np.sum(np.square(w, dtype=np.float64))), w.ravel()[:8].tolist()]
+                    for w in session.run(weights)]
+        if flush is not None:
+            BEFORE_FLUSH[variant] = digest()
+            session.run(flush)
+        FINAL_WEIGHTS[variant] = digest()
     return losses, started
 
 
@@ -158,6 +174,8 @@ def train_keras(variant):
     return losses, []
 
 
+FINAL_WEIGHTS: dict = {}
+BEFORE_FLUSH: dict = {}
 TRAIN = {"graph": train_graph, "tf2": train_tf2, "keras": train_keras}
 for variant in variants:
     before = len(caramel_summaries())
@@ -172,4 +190,6 @@ for variant in variants:
     observed = [sorted((n for n in order if n in times), key=lambda n: times[n])
                 for times in started]
     print(json.dumps({"rank": hvd.rank(), "variant": variant, "losses": losses,
-                      "plan": plan, "observed_orders": observed}), flush=True)
+                      "plan": plan, "observed_orders": observed,
+                      "weights": FINAL_WEIGHTS.get(variant),
+                      "before_flush": BEFORE_FLUSH.get(variant)}), flush=True)

@@ -15,6 +15,9 @@ Variants (each its own graph and session, same model, batch and seed):
   caramel_finished  forced, each bucket issued only once the one before is reduced.
   caramel_profiled  forced, planned with op times from a profiled warm-up of 3 steps
                 (``configure(profile_steps=3)``) instead of static estimates.
+  caramel_cross_step  forced, the gradients ready last reduced under the next step's
+                forward pass (``configure(cross_step=True)``; the deferred updates are
+                flushed after the timed rounds).
   compute_only  the same model with a local optimizer: the step without communication.
   comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
 
@@ -45,7 +48,8 @@ __all__ = ["ddp_groups", "main"]
 #: the Caramel variants and the options each configures the wrappers with.
 CARAMEL_VARIANTS = {"caramel": {}, "caramel_forced": {"force": True},
                     "caramel_finished": {"force": True, "bucket_chain": "finished"},
-                    "caramel_profiled": {"force": True, "profile_steps": 3}}
+                    "caramel_profiled": {"force": True, "profile_steps": 3},
+                    "caramel_cross_step": {"force": True, "cross_step": True}}
 VARIANT_NAMES = ("horovod", "autotune", "ddp25", *CARAMEL_VARIANTS, "compute_only",
                  "comm_only")
 MIB = 2 ** 20

@@ -33,26 +33,32 @@ import numpy as np
 from tfoverlap.log import logger
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
-           "measure_flops", "host_facts", "network_model", "caramel_options"]
+           "measure_flops", "host_facts", "network_model", "caramel_options", "flush_op"]
 
 _configured: dict = {}
 _configured_warmup: dict = {}
 _measured: dict = {}
 
 
-def configure(profile_steps: int = 0, **options) -> None:
+def configure(profile_steps: int = 0, cross_step: bool = False, **options) -> None:
     """Options for the Caramel pass the wrappers run (see :class:`tfoverlap.options.Options`:
     bandwidth, latency, split_bytes, flops, profile, ...). Validated here.
 
     ``profile_steps=N``: graph-mode optimizers plan with op times measured by N traced
     warm-up steps of the gradients (rank 0's; every rank must configure alike) instead of
     static estimates. Where the warm-up cannot run, a warning says why and the estimates
-    are used."""
+    are used.
+
+    ``cross_step=True``: graph-mode optimizers reduce the gradients that become ready last
+    under the next step's forward pass (:mod:`tfoverlap.horovod.deferred`; same losses;
+    run :func:`flush_op` after the last step)."""
     from tfoverlap.options import parse_options
     if (not isinstance(profile_steps, int) or isinstance(profile_steps, bool)
             or not 0 <= profile_steps <= 100):
         raise ValueError(f"profile_steps must be an integer from 0 to 100, not "
                            f"{profile_steps!r}")
+    if not isinstance(cross_step, bool):
+        raise ValueError(f"cross_step must be True or False, not {cross_step!r}")
     if profile_steps and options.get("profile"):
         raise ValueError("give either profile (a profile file) or profile_steps (a "
                            "profiled warm-up), not both")
@@ -62,6 +68,8 @@ def configure(profile_steps: int = 0, **options) -> None:
     _configured_warmup.clear()
     if profile_steps:
         _configured_warmup["profile_steps"] = profile_steps
+    if cross_step:
+        _configured_warmup["cross_step"] = True
 
 
 def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
@@ -332,6 +340,13 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                        "schedule; plain Horovod is used")
         return wrapped
 
+    def reduce_like(tensor):
+        return _reduce_without_cond([tensor], device_dense, device_sparse, compression,
+                                    sparse_as_dense, op, gradient_predivide_factor,
+                                    process_set)[0]
+
+    pending: dict = {}      # cross_step: what apply_gradients defers once the updates exist
+
     def reduce_and_schedule(grads, variables=None, use_generic_names=False):
         reduced = _reduce_without_cond(grads, device_dense, device_sparse, compression,
                                        sparse_as_dense, op, gradient_predivide_factor,
@@ -339,14 +354,73 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         if process_set.size() < 2:
             return reduced
         # The rewrite re-points the consumers of each reduced tensor: these Identities.
+        allreduces = [r.op if isinstance(r, tf.Tensor) else None for r in reduced]
         reduced = [tf.identity(r) if isinstance(r, tf.Tensor) else r for r in reduced]
         dense = [r for r in reduced if isinstance(r, tf.Tensor)]
-        if dense:
-            _schedule_in_place(dense[0].graph, [g for g in grads if isinstance(g, tf.Tensor)])
+        if not dense:
+            return reduced
+        gradients = [g for g in grads if isinstance(g, tf.Tensor)]
+        if _configured_warmup.get("cross_step"):
+            from tfoverlap.horovod.deferred import deferral_refused
+            refused = deferral_refused(optimizer, variables or [])
+            if not refused and all(isinstance(r, tf.Tensor) for r in reduced):
+                pending.update(grads=list(grads), variables=list(variables),
+                               allreduces=allreduces, gradients=gradients)
+                return reduced
+            logger.warning("tfoverlap: cross_step: %s; the step is planned on its own",
+                           refused or "sparse gradients")
+        _schedule_in_place(dense[0].graph, gradients)
         return reduced
 
+    original_apply = wrapped.apply_gradients
+
+    def apply_and_defer(grads_and_vars, global_step=None, name=None):
+        train = original_apply(grads_and_vars, global_step=global_step, name=name)
+        if pending:
+            train = _defer_and_schedule(train, optimizer, reduce_like, **pending)
+            pending.clear()
+        return train
+
     wrapped._allreduce_grads = reduce_and_schedule  # noqa: SLF001 - Horovod's hook
+    wrapped.apply_gradients = apply_and_defer
     return wrapped
+
+
+def _defer_and_schedule(train, optimizer, reduce_like, grads, variables, allreduces,
+                        gradients):
+    """cross_step: defers the gradients that become ready last to the next step
+    (:mod:`tfoverlap.horovod.deferred`), then plans the rest of the step."""
+    from tfoverlap.costs.network import ring_allreduce_seconds
+    from tfoverlap.horovod.deferred import defer_updates
+    from tfoverlap.options import link_bandwidth, parse_options
+    from tfoverlap.planning.caramel import (deferred_chunks, horovod_cycle_seconds,
+                                            plan_for_graph, request_latency)
+    graph = train.graph
+    options = parse_options(caramel_options())
+    plan, inputs = plan_for_graph(graph.as_graph_def(), options)
+    latency = request_latency(options.latency, inputs.ranks,
+                              horovod_cycle_seconds(options.cycle_ms))
+    rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
+                                          latency)) for size in plan.sizes]
+    index_of = {allreduce.name: index for index, allreduce in enumerate(allreduces)
+                if allreduce is not None}
+    chunks = [[index_of[plan.model.names[plan.nodes[p]]] for p in chunk]
+              for chunk in deferred_chunks(plan, rings)]
+    if chunks:
+        train = defer_updates(train, optimizer, grads, variables, allreduces, chunks,
+                              reduce_like)
+    else:
+        logger.info("tfoverlap: cross_step: the plan leaves no reduction after the backward "
+                    "pass; nothing deferred")
+    _schedule_in_place(graph, gradients)
+    return train
+
+
+def flush_op(graph=None):
+    """cross_step: the op that applies the last step's deferred updates (run it once after
+    the last step); None where nothing was deferred."""
+    from tfoverlap.horovod.deferred import flush_op as deferred_flush
+    return deferred_flush(graph)
 
 
 def _enable_for_functions() -> None:

@@ -35,7 +35,7 @@ __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradient
            "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
            "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
            "HOROVOD_REDUCE_OPS", "gradient_submissions", "traced_step_breakdown",
-           "waited_producers"]
+           "waited_producers", "DEFERRED_ATTR", "deferred_chunks"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 #: the op types that hand tensors to Horovod for reduction.
@@ -173,9 +173,50 @@ def _upstream_siblings(model: GraphModel, flow, successors, producer: int, finis
             and not _reaches(successors, consumer, producer, position)]
 
 
+#: marks an AllReduce of a gradient deferred to the next step (tfoverlap.horovod's
+#: cross_step): it reduces a buffer at the step's start, apart from the buckets.
+DEFERRED_ATTR = "_tfoverlap_deferred"
+
+
 def is_planned_allreduce(node_def) -> bool:
-    """A HorovodAllreduce that Caramel may bucket (not one of its own plan-check ops)."""
-    return node_def.op == ALLREDUCE_OP and CARAMEL_ATTR not in node_def.attr
+    """A HorovodAllreduce that Caramel may bucket (not one of its own plan-check ops, nor a
+    deferred gradient's)."""
+    return (node_def.op == ALLREDUCE_OP and CARAMEL_ATTR not in node_def.attr
+            and DEFERRED_ATTR not in node_def.attr)
+
+
+def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4) -> list[list[int]]:
+    """Which gradients to reduce under the next step's forward pass, in chunks (positions
+    in ``plan.nodes``; first chunk first; each chunk in the order the forward pass needs
+    its variables).
+
+    The last gradients to become ready are the first layers' (the forward pass needs them
+    first); after the last one the ring still has ``plan``'s tail to reduce. Those are
+    deferred, from the last-ready backwards, while their ring time (``ring_seconds[i]``)
+    stays within both that tail and the forward pass (the time to the first gradient), and
+    cut into ``chunks`` runs of about equal ring time: the forward pass waits for a chunk's
+    updates, not for all of them."""
+    if not plan.buckets or not plan.nodes:
+        return []
+    budget = min(plan.ready[0], max(0.0, plan.buckets[-1].finish - plan.ready[-1]))
+    chosen, total = [], 0.0
+    for position in reversed(range(len(plan.nodes))):
+        if total + ring_seconds[position] > budget:
+            break
+        chosen.append(position)
+        total += ring_seconds[position]
+    if not chosen:
+        return []
+    cuts, result, current, filled = total / max(1, chunks), [], [], 0.0
+    for position in chosen:
+        current.append(position)
+        filled += ring_seconds[position]
+        if filled >= cuts * (len(result) + 1) - 1e-12 and len(result) < chunks - 1:
+            result.append(current)
+            current = []
+    if current:
+        result.append(current)
+    return result
 
 
 def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,

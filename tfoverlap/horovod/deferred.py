@@ -1,0 +1,121 @@
+"""Cross-step overlap (``tfoverlap.horovod.configure(cross_step=True)``, graph mode).
+
+Within one ``session.run`` the ring cannot start before the first gradient exists, and on
+the emulated 8-rank rows it is then busy to the end of the step: no order or bucketing
+inside the step gets past forward pass + ring. This moves the reductions of the gradients
+that become ready last (the first layers') into the next run, under its forward pass:
+
+- at the end of a step each such gradient is stored in a buffer variable, not reduced;
+- at the start of the next run the buffers are reduced, in chunks, first layers first, and
+  applied by the optimizer; each forward read of a deferred variable waits for its update.
+
+The forward pass of step t therefore reads every variable updated with the gradients of
+step t-1, as in synchronous training, and the losses are Horovod's. Between runs the
+deferred variables lag one update: :func:`flush_op` applies it (run it once after the last
+step, before exporting the weights). The buffers are global variables, so a checkpoint
+holds them and a restored job resumes exactly.
+
+Only ``GradientDescentOptimizer`` and ``MomentumOptimizer`` with a constant learning rate
+and resource variables are deferred: their update of one variable reads no state shared
+with others, and a zero gradient on zero-initialized slots changes nothing, which makes
+the first step (empty buffers) exact. Anything else keeps the in-step plan, with a warning.
+"""
+from __future__ import annotations
+
+from tfoverlap.log import logger
+
+__all__ = ["deferral_refused", "defer_updates", "flush_op", "DEFERRABLE_OPTIMIZERS"]
+
+DEFERRABLE_OPTIMIZERS = ("GradientDescentOptimizer", "MomentumOptimizer")
+_APPLY_OPS = frozenset({"ResourceApplyGradientDescent", "ResourceApplyMomentum"})
+_flush_ops: dict = {}        # graph -> the flush op of its deferred updates
+
+
+def deferral_refused(optimizer, variables) -> str:
+    """Why updates of ``optimizer`` cannot be deferred ("" if they can)."""
+    import tensorflow as tf
+    name = type(optimizer).__name__
+    if name not in DEFERRABLE_OPTIMIZERS:
+        return (f"{name}: only {' and '.join(DEFERRABLE_OPTIMIZERS)} update each variable "
+                "from its own gradient and state alone")
+    rate = getattr(optimizer, "_learning_rate", None)
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool):
+        return "the learning rate is not a constant number (a schedule would be read a step late)"
+    if any(not isinstance(v, tf.Variable) or not hasattr(v, "handle") or
+           v.handle.dtype != tf.resource for v in variables):
+        return "some variables are not resource variables"
+    return ""
+
+
+def _ancestors(tensors) -> set:
+    seen, frontier = set(), [t.op for t in tensors]
+    while frontier:
+        op = frontier.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        frontier.extend(t.op for t in op.inputs)
+        frontier.extend(op.control_inputs)
+    return seen
+
+
+def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce_like):
+    """Rewrites the graph of ``train`` (the optimizer's update op, built) so that the
+    gradients ``chunks`` name (lists of indices into ``grads``/``variables``/``allreduces``,
+    first chunk first) are reduced and applied at the start of the next run; returns the
+    new train op. ``allreduces[i]`` is the HorovodAllreduce op of ``grads[i]``;
+    ``reduce_like(tensor)`` reduces a tensor as the gradients are reduced (the flush)."""
+    import tensorflow as tf
+    from tensorflow.core.framework import attr_value_pb2
+
+    from tfoverlap.planning.caramel import DEFERRED_ATTR
+    graph = train.graph
+    deferred = [i for chunk in chunks for i in chunk]
+    forward = _ancestors([grads[i] for i in range(len(grads)) if grads[i] is not None])
+    stores, buffers, chained = [], [], []
+    with graph.as_default():
+        for chunk in chunks:
+            reduced_chunk = []
+            for index in chunk:
+                variable, allreduce = variables[index], allreduces[index]
+                with graph.name_scope(f"tfoverlap/deferred/{variable.op.name}/"):
+                    buffer = tf.compat.v1.Variable(
+                        tf.zeros(variable.shape, variable.dtype.base_dtype),
+                        trainable=False, use_resource=True, name="gradient")
+                # A chunk is reduced once the one before it is: the first layers first.
+                with tf.control_dependencies(chained):
+                    previous = buffer.read_value()
+                allreduce._update_input(0, previous)  # noqa: SLF001 - see live_graph
+                allreduce._set_attr(DEFERRED_ATTR,  # noqa: SLF001 - see live_graph
+                                    attr_value_pb2.AttrValue(b=True))
+                with tf.control_dependencies([previous.op]):
+                    stores.append(buffer.assign(grads[index], read_value=False))
+                buffers.append((buffer, variable))
+                reduced_chunk.append(allreduce)
+                applies = [op for op in variable.handle.consumers() if op.type in _APPLY_OPS]
+                reads = [op for op in variable.handle.consumers()
+                         if op.type == "ReadVariableOp" and op in forward]
+                for read in reads:
+                    read._add_control_inputs(applies)  # noqa: SLF001 - see live_graph
+            chained = reduced_chunk
+        with tf.control_dependencies([train]):
+            train = tf.group(*stores, name="tfoverlap/deferred/train")
+        flushed = optimizer.apply_gradients(
+            [(reduce_like(buffer.read_value()), variable) for buffer, variable in buffers],
+            name="tfoverlap/deferred/flush_apply")
+        with tf.control_dependencies([flushed]):
+            _flush_ops[graph] = tf.group(*[buffer.assign(tf.zeros_like(buffer),
+                                                         read_value=False)
+                                           for buffer, _ in buffers],
+                                         name="tfoverlap/deferred/flush")
+    logger.info("tfoverlap: %d of %d gradients reduced under the next step's forward pass, "
+                "in %d chunks", len(deferred), len(grads), len(chunks))
+    return train
+
+
+def flush_op(graph=None):
+    """The op that applies the deferred updates of the last step (run it once after the
+    last training step, before reading or exporting the weights); None where nothing was
+    deferred in ``graph`` (the default graph if not given)."""
+    import tensorflow as tf
+    return _flush_ops.get(graph or tf.compat.v1.get_default_graph())
