@@ -16,8 +16,8 @@ Variants (each its own graph and session, same model, batch and seed):
   caramel_profiled  forced, planned with op times from a profiled warm-up of 3 steps
                 (``configure(profile_steps=3)``) instead of static estimates.
   caramel_cross_step  forced, the gradients ready last reduced under the next step's
-                forward pass (``configure(cross_step=True)``; the deferred updates are
-                flushed after the timed rounds).
+                forward pass (``configure(cross_step=True)``; its report says what was
+                deferred; the benchmark times steps and never flushes).
   compute_only  the same model with a local optimizer: the step without communication.
   comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
 
@@ -219,6 +219,7 @@ def main(argv=None) -> int:
     calmed = calm_timeline_writer() if args.trace_timeline and hvd.rank() == 0 else 0
     import tfoverlap
     import tfoverlap.horovod as tfo_hvd
+    from tfoverlap.horovod.deferred import deferral_summary
     began = time.perf_counter()
     built, caramel = {}, {}
     for variant in variants:
@@ -227,6 +228,9 @@ def main(argv=None) -> int:
         if variant in CARAMEL_VARIANTS:
             caramel[variant] = next((p.summary for r in tfoverlap.recent_reports()[reports_before:]
                                      for p in r.passes if p.name == "caramel"), None)
+            deferral = deferral_summary(built[variant][2].graph)
+            if caramel[variant] is not None and deferral:
+                caramel[variant] = {**caramel[variant], "cross_step": deferral}
     build_seconds = time.perf_counter() - began
     for variant, (session, fetch, _) in built.items():
         for _ in range(args.warmup):

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 from tfoverlap.log import logger
 
-__all__ = ["deferral_refused", "defer_updates", "flush_op", "DEFERRABLE_OPTIMIZERS"]
+__all__ = ["deferral_refused", "defer_updates", "flush_op", "deferral_summary",
+           "DEFERRABLE_OPTIMIZERS"]
 
 DEFERRABLE_OPTIMIZERS = ("GradientDescentOptimizer", "MomentumOptimizer")
 _APPLY_OPS = frozenset({"ResourceApplyGradientDescent", "ResourceApplyMomentum"})
 _flush_ops: dict = {}        # graph -> the flush op of its deferred updates
+_summaries: dict = {}        # graph -> what was deferred
 
 
 def deferral_refused(optimizer, variables) -> str:
@@ -108,9 +110,19 @@ def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce
                                                          read_value=False)
                                            for buffer, _ in buffers],
                                          name="tfoverlap/deferred/flush")
+    _summaries[graph] = {"deferred": len(deferred), "gradients": len(grads),
+                         "chunks": [len(chunk) for chunk in chunks],
+                         "deferred_bytes": sum(variables[i].shape.num_elements()
+                                               * variables[i].dtype.base_dtype.size
+                                               for i in deferred)}
     logger.info("tfoverlap: %d of %d gradients reduced under the next step's forward pass, "
                 "in %d chunks", len(deferred), len(grads), len(chunks))
     return train
+
+
+def deferral_summary(graph) -> dict:
+    """What :func:`defer_updates` deferred in ``graph`` ({} if nothing)."""
+    return dict(_summaries.get(graph, {}))
 
 
 def flush_op(graph=None):
