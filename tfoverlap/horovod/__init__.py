@@ -400,18 +400,19 @@ def _defer_and_schedule(train, optimizer, reduce_like, grads, variables, allredu
     plan, inputs = plan_for_graph(graph.as_graph_def(), options)
     latency = request_latency(options.latency, inputs.ranks,
                               horovod_cycle_seconds(options.cycle_ms))
-    rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
-                                          latency)) for size in plan.sizes]
+    rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options), 0.0))
+             for size in plan.sizes]
+    request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
     index_of = {allreduce.name: index for index, allreduce in enumerate(allreduces)
                 if allreduce is not None}
     chunks = [[index_of[plan.model.names[plan.nodes[p]]] for p in chunk]
-              for chunk in deferred_chunks(plan, rings)]
+              for chunk in deferred_chunks(plan, rings, request_seconds=request)]
     if chunks:
         train = defer_updates(train, optimizer, grads, variables, allreduces, chunks,
                               reduce_like)
     else:
-        logger.info("tfoverlap: cross_step: the plan leaves no reduction after the backward "
-                    "pass; nothing deferred")
+        logger.info("tfoverlap: cross_step: no reduction of the plan's tail fits under the "
+                    "forward pass; nothing deferred")
     _schedule_in_place(graph, gradients)
     return train
 

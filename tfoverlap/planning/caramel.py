@@ -185,33 +185,42 @@ def is_planned_allreduce(node_def) -> bool:
             and DEFERRED_ATTR not in node_def.attr)
 
 
-def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4) -> list[list[int]]:
+def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4,
+                    request_seconds: float = 0.0) -> list[list[int]]:
     """Which gradients to reduce under the next step's forward pass, in chunks (positions
     in ``plan.nodes``; first chunk first; each chunk in the order the forward pass needs
     its variables).
 
     The last gradients to become ready are the first layers' (the forward pass needs them
     first); after the last one the ring still has ``plan``'s tail to reduce. Those are
-    deferred, from the last-ready backwards, while their ring time (``ring_seconds[i]``)
+    deferred, from the last-ready backwards, while their ring time (``ring_seconds[i]``,
+    the bandwidth term: a chunk goes as one request) plus ``request_seconds`` per chunk
     stays within both that tail and the forward pass (the time to the first gradient), and
-    cut into ``chunks`` runs of about equal ring time: the forward pass waits for a chunk's
-    updates, not for all of them."""
+    cut into up to ``chunks`` runs, each of about twice the ring time of the one before:
+    the forward pass waits for the first chunk's updates before it starts, and for the
+    later ones while it computes the layers before them."""
     if not plan.buckets or not plan.nodes:
         return []
-    budget = min(plan.ready[0], max(0.0, plan.buckets[-1].finish - plan.ready[-1]))
-    chosen, total = [], 0.0
-    for position in reversed(range(len(plan.nodes))):
-        if total + ring_seconds[position] > budget:
+    window = min(plan.ready[0], max(0.0, plan.buckets[-1].finish - plan.ready[-1]))
+    for chunks in range(chunks, 0, -1):       # fewer chunks where few gradients fit
+        budget = window - chunks * request_seconds
+        chosen, total = [], 0.0
+        for position in reversed(range(len(plan.nodes))):
+            if total + ring_seconds[position] > budget:
+                break
+            chosen.append(position)
+            total += ring_seconds[position]
+        if len(chosen) >= chunks:
             break
-        chosen.append(position)
-        total += ring_seconds[position]
     if not chosen:
         return []
-    cuts, result, current, filled = total / max(1, chunks), [], [], 0.0
+    # Chunk k ends where the first k + 1 chunks hold (2^(k+1) - 1) / (2^chunks - 1) of it.
+    ends = [total * (2 ** (k + 1) - 1) / (2 ** chunks - 1) for k in range(chunks)]
+    result, current, filled = [], [], 0.0
     for position in chosen:
         current.append(position)
         filled += ring_seconds[position]
-        if filled >= cuts * (len(result) + 1) - 1e-12 and len(result) < chunks - 1:
+        if filled >= ends[len(result)] - 1e-12 and len(result) < chunks - 1:
             result.append(current)
             current = []
     if current:
