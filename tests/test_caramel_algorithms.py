@@ -131,3 +131,37 @@ def test_buckets_of_several_pieces_respect_the_cap(gradients, cap):
     assert sorted(p.gradient for b in buckets for p in b.pieces) == list(range(len(sizes)))
     for bucket in buckets:
         assert len(bucket.pieces) == 1 or bucket.size <= cap
+
+
+def _plan_with(ready, finish):
+    from tfoverlap.planning.caramel import AllreducePlan
+    from tfoverlap.schedulers.caramel import Bucket, Piece
+    count = len(ready)
+    bucket = Bucket(tuple(Piece(i, 0, 1) for i in range(count)), ready[-1], ready[-1], finish)
+    return AllreducePlan("caramel", None, list(range(count)), [1] * count, list(ready),
+                         [0.0] * count, [bucket], [])
+
+
+def test_cross_step_defers_the_last_ready_gradients_within_the_forward_pass_and_tail():
+    """The gradients ready last (the first layers) go to the next step's forward pass:
+    as many as fit, with one request per chunk, in both the time to the first gradient
+    and the ring's tail after the last one; chunks grow so the forward pass starts soon."""
+    from tfoverlap.planning.caramel import deferred_chunks
+    ready = [0.020 + 0.001 * i for i in range(40)]           # forward: 20 ms
+    rings = [0.001] * 40
+    chunks = deferred_chunks(_plan_with(ready, finish=0.200), rings, chunks=3,
+                             request_seconds=0.001)
+    chosen = [p for chunk in chunks for p in chunk]
+    assert chosen == list(range(39, 39 - len(chosen), -1))    # last ready first
+    assert len(chosen) == 17                                  # 20 ms - 3 requests
+    assert len(chunks) == 3 and [len(c) for c in chunks] == sorted(len(c) for c in chunks)
+    # A short tail is the limit instead of the forward pass.
+    short = deferred_chunks(_plan_with(ready, finish=ready[-1] + 0.006), rings, chunks=3,
+                            request_seconds=0.001)
+    assert sum(map(len, short)) == 3 and len(short) == 3
+    # Fewer chunks where few gradients fit, none where none does.
+    few = deferred_chunks(_plan_with(ready, finish=ready[-1] + 0.0035), rings, chunks=3,
+                          request_seconds=0.001)
+    assert [len(c) for c in few] == [2]                    # one request: 2.5 ms left
+    assert deferred_chunks(_plan_with(ready, finish=ready[-1]), rings, chunks=3,
+                           request_seconds=0.001) == []

@@ -206,7 +206,7 @@ def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4,
         budget = window - chunks * request_seconds
         chosen, total = [], 0.0
         for position in reversed(range(len(plan.nodes))):
-            if total + ring_seconds[position] > budget:
+            if total + ring_seconds[position] > budget + 1e-12:
                 break
             chosen.append(position)
             total += ring_seconds[position]
