@@ -95,8 +95,9 @@ def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce
                 buffers.append((buffer, variable))
                 reduced_chunk.append(allreduce)
                 applies = [op for op in variable.handle.consumers() if op.type in _APPLY_OPS]
+                # Every use on the way to the gradients (reads, gathers) waits.
                 reads = [op for op in variable.handle.consumers()
-                         if op.type == "ReadVariableOp" and op in forward]
+                         if op in forward and op.type not in _APPLY_OPS]
                 for read in reads:
                     read._add_control_inputs(applies)  # noqa: SLF001 - see live_graph
             chained = reduced_chunk
