@@ -22,6 +22,8 @@ the first step (empty buffers) exact. Anything else keeps the in-step plan, with
 """
 from __future__ import annotations
 
+import weakref
+
 from tfoverlap.log import logger
 
 __all__ = ["deferral_refused", "defer_updates", "flush_op", "deferral_summary",
@@ -29,8 +31,8 @@ __all__ = ["deferral_refused", "defer_updates", "flush_op", "deferral_summary",
 
 DEFERRABLE_OPTIMIZERS = ("GradientDescentOptimizer", "MomentumOptimizer")
 _APPLY_OPS = frozenset({"ResourceApplyGradientDescent", "ResourceApplyMomentum"})
-_flush_ops: dict = {}        # graph -> the flush op of its deferred updates
-_summaries: dict = {}        # graph -> what was deferred
+_flush_ops = weakref.WeakKeyDictionary()      # graph -> the flush op of its deferred updates
+_summaries = weakref.WeakKeyDictionary()      # graph -> what was deferred
 
 
 def deferral_refused(optimizer, variables) -> str:
@@ -66,13 +68,21 @@ def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce
     gradients ``chunks`` name (lists of indices into ``grads``/``variables``/``allreduces``,
     first chunk first) are reduced and applied at the start of the next run; returns the
     new train op. ``allreduces[i]`` is the HorovodAllreduce op of ``grads[i]``;
-    ``reduce_like(tensor)`` reduces a tensor as the gradients are reduced (the flush)."""
+    ``reduce_like(tensor)`` reduces a tensor as the gradients are reduced (the flush).
+    Where a deferred variable has no update op this knows, nothing is deferred (with a
+    warning): its forward reads could not be made to wait."""
     import tensorflow as tf
     from tensorflow.core.framework import attr_value_pb2
 
     from tfoverlap.planning.caramel import DEFERRED_ATTR
     graph = train.graph
     deferred = [i for chunk in chunks for i in chunk]
+    unknown = [variables[i].op.name for i in deferred
+               if not any(op.type in _APPLY_OPS for op in variables[i].handle.consumers())]
+    if unknown:
+        logger.warning("tfoverlap: cross_step: no update op of %s is known (%s); nothing "
+                       "deferred", unknown[0], ", ".join(sorted(_APPLY_OPS)))
+        return train
     forward = _ancestors([grads[i] for i in range(len(grads)) if grads[i] is not None])
     stores, buffers, chained = [], [], []
     with graph.as_default():
