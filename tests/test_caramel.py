@@ -449,6 +449,20 @@ def test_cross_step_defers_the_last_gradients_and_trains_exactly_like_horovod(ne
         assert 0 < len(lagging) < len(plain["weights"]), lagging
 
 
+def test_cross_step_on_the_transformer_defers_its_embedding_and_keeps_the_losses(network):
+    """The transformer reads its embedding with a gather, not a plain read: with the
+    embedding deferred, its forward pass still waits for the update, and losses and final
+    weights are plain Horovod's."""
+    job = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_models.py")
+    result = run_horovod(network, 2, [sys.executable, job, "transformer"],
+                         controller="gloo", timeout=420)
+    assert result.returncode == 0, [o[-3000:] for o in result.outputs]
+    for output in result.outputs:
+        record = json.loads(next(l for l in output.splitlines() if l.startswith("{")))
+        assert record["deferred"]["deferred"] >= 1, record
+        assert record["same_losses"] and record["same_final_weights"], record
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_keras_model_fit_trains_with_caramels_plan_like_horovod_keras(network, controller):
     """tfoverlap.horovod.keras.DistributedOptimizer in model.fit: Horovod Keras's losses,
