@@ -458,7 +458,8 @@ def test_cross_step_on_the_transformer_defers_its_embedding_and_keeps_the_losses
                          controller="gloo", timeout=420)
     assert result.returncode == 0, [o[-3000:] for o in result.outputs]
     for output in result.outputs:
-        record = json.loads(next(l for l in output.splitlines() if l.startswith("{")))
+        record = json.loads(next(line for line in output.splitlines()
+                                 if line.startswith("{")))
         assert record["deferred"]["deferred"] >= 1, record
         assert record["same_losses"] and record["same_final_weights"], record
 
