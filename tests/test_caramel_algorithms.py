@@ -158,10 +158,14 @@ def test_cross_step_defers_the_last_ready_gradients_within_the_forward_pass_and_
     # A short tail is the limit instead of the forward pass.
     short = deferred_chunks(_plan_with(ready, finish=ready[-1] + 0.006), rings, chunks=3,
                             request_seconds=0.001)
-    assert sum(map(len, short)) == 3 and len(short) == 3
+    assert [len(c) for c in short] == [2, 2]        # 6 ms: 2 requests leave 4 gradients
     # Fewer chunks where few gradients fit, none where none does.
     few = deferred_chunks(_plan_with(ready, finish=ready[-1] + 0.0035), rings, chunks=3,
                           request_seconds=0.001)
     assert [len(c) for c in few] == [2]                    # one request: 2.5 ms left
     assert deferred_chunks(_plan_with(ready, finish=ready[-1]), rings, chunks=3,
+                           request_seconds=0.001) == []
+    # Tiny gradients that save less ring time than their request costs stay.
+    tiny = [0.0001] * 40
+    assert deferred_chunks(_plan_with(ready, finish=ready[-1] + 0.0015), tiny, chunks=3,
                            request_seconds=0.001) == []

@@ -202,7 +202,7 @@ def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4,
     if not plan.buckets or not plan.nodes:
         return []
     window = min(plan.ready[0], max(0.0, plan.buckets[-1].finish - plan.ready[-1]))
-    for chunks in range(chunks, 0, -1):       # fewer chunks where few gradients fit
+    for chunks in range(chunks, 0, -1):       # fewer chunks where less fits
         budget = window - chunks * request_seconds
         chosen, total = [], 0.0
         for position in reversed(range(len(plan.nodes))):
@@ -210,9 +210,10 @@ def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4,
                 break
             chosen.append(position)
             total += ring_seconds[position]
-        if len(chosen) >= chunks:
+        # Enough to fill the chunks, and more ring time than their requests cost.
+        if len(chosen) >= chunks and total > chunks * request_seconds:
             break
-    if not chosen:
+    if not chosen or total <= chunks * request_seconds:
         return []
     # Chunk k ends where the first k + 1 chunks hold (2^(k+1) - 1) / (2^chunks - 1) of it.
     ends = [total * (2 ** (k + 1) - 1) / (2 ** chunks - 1) for k in range(chunks)]
