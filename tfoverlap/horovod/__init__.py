@@ -36,7 +36,7 @@ __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "meas
            "measure_flops", "host_facts", "network_model", "caramel_options", "flush_op"]
 
 _configured: dict = {}
-_configured_warmup: dict = {}
+_configured_wrapper: dict = {}
 _measured: dict = {}
 
 
@@ -65,11 +65,11 @@ def configure(profile_steps: int = 0, cross_step: bool = False, **options) -> No
     parse_options({**options, "allreduce": "caramel"})
     _configured.clear()
     _configured.update(options)
-    _configured_warmup.clear()
+    _configured_wrapper.clear()
     if profile_steps:
-        _configured_warmup["profile_steps"] = profile_steps
+        _configured_wrapper["profile_steps"] = profile_steps
     if cross_step:
-        _configured_warmup["cross_step"] = True
+        _configured_wrapper["cross_step"] = True
 
 
 def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
@@ -272,7 +272,7 @@ def _schedule_in_place(graph, gradients=()) -> None:
     from tfoverlap.passes.base import REPORTS, PassContext
     from tfoverlap.passes.pipeline import run_pipeline
     options = caramel_options()
-    steps = _configured_warmup.get("profile_steps", 0)
+    steps = _configured_wrapper.get("profile_steps", 0)
     profiled = warmup_profile(graph, gradients, steps, options) if steps and gradients else ""
     if profiled:
         options["profile"] = profiled
@@ -360,9 +360,10 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         if not dense:
             return reduced
         gradients = [g for g in grads if isinstance(g, tf.Tensor)]
-        if _configured_warmup.get("cross_step"):
+        if _configured_wrapper.get("cross_step"):
             from tfoverlap.horovod.deferred import deferral_refused
-            refused = deferral_refused(optimizer, variables or [])
+            refused = (deferral_refused(optimizer, variables) if variables is not None
+                       else "Horovod did not name the variables")
             if not refused and all(isinstance(r, tf.Tensor) for r in reduced):
                 pending.update(grads=list(grads), variables=list(variables),
                                allreduces=allreduces, gradients=gradients)
@@ -426,10 +427,11 @@ def flush_op(graph=None):
 
 def _enable_for_functions() -> None:
     from tfoverlap.api import enable_for_tf_function
-    if _configured_warmup.get("profile_steps"):
-        logger.warning("tfoverlap: profile_steps applies to graph-mode (tf.compat.v1) "
-                       "optimizers; tf.function steps are planned when first traced, with "
-                       "static estimates or a profile file (profile=)")
+    if _configured_wrapper:
+        logger.warning("tfoverlap: %s applies to graph-mode (tf.compat.v1) optimizers; "
+                       "tf.function steps are planned when first traced, within the step, "
+                       "with static estimates or a profile file (profile=)",
+                       " and ".join(sorted(_configured_wrapper)))
     enable_for_tf_function(**caramel_options())
 
 
