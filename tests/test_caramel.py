@@ -464,6 +464,42 @@ def test_cross_step_on_the_transformer_defers_its_embedding_and_keeps_the_losses
         assert record["same_losses"] and record["same_final_weights"], record
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_cross_step_defers_nothing_where_gradients_are_combined_after_reduction(caplog,
+                                                                               clip):
+    """A global-norm clip mixes every reduced gradient into every update: deferring one
+    would mix two steps' gradients, so nothing is deferred and a warning says why.
+    Without it the deferred variable's forward read waits for its update."""
+    import logging
+    import tensorflow as tf
+    from tfoverlap.horovod.deferred import defer_updates, deferral_summary
+    caplog.set_level(logging.WARNING, logger="tfoverlap")
+    graph = tf.Graph()
+    with graph.as_default():
+        weights = [tf.compat.v1.get_variable(f"w{i}", [4, 4], use_resource=True)
+                   for i in range(3)]
+        hidden = tf.ones([2, 4])
+        for weight in weights:
+            hidden = tf.matmul(hidden, weight)
+        grads = tf.gradients(tf.reduce_sum(hidden), weights)
+        stand_ins = [tf.identity(g) for g in grads]         # where the AllReduces would be
+        reduced = tf.clip_by_global_norm(stand_ins, 1.0)[0] if clip else stand_ins
+        optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+        train = optimizer.apply_gradients(zip(reduced, weights))
+    result = defer_updates(train, optimizer, grads, weights, [t.op for t in stand_ins],
+                           [[0]], lambda tensor: tensor)
+    if clip:
+        assert result is train and deferral_summary(graph) == {}
+        assert "reaches other variables' updates" in caplog.text
+        return
+    assert result is not train and deferral_summary(graph)["deferred"] == 1
+    apply = next(op for op in weights[0].handle.consumers()
+                 if op.type == "ResourceApplyMomentum")
+    reads = [op for op in weights[0].handle.consumers() if op.type == "ReadVariableOp"
+             and apply in op.control_inputs]
+    assert reads
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_keras_model_fit_trains_with_caramels_plan_like_horovod_keras(network, controller):
     """tfoverlap.horovod.keras.DistributedOptimizer in model.fit: Horovod Keras's losses,

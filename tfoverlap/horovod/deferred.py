@@ -63,14 +63,34 @@ def _ancestors(tensors) -> set:
     return seen
 
 
+def _reaches_other_updates(allreduce, own: set) -> bool:
+    """Whether the reduced gradient flows into an update other than ``own`` (gradients
+    combined after the reduction: clipped by their global norm, for example)."""
+    frontier, seen = [allreduce], set()
+    while frontier:
+        op = frontier.pop()
+        for output in op.outputs:
+            for consumer in output.consumers():
+                if consumer in seen:
+                    continue
+                seen.add(consumer)
+                if consumer.type in _APPLY_OPS:
+                    if consumer not in own:
+                        return True
+                else:
+                    frontier.append(consumer)
+    return False
+
+
 def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce_like):
     """Rewrites the graph of ``train`` (the optimizer's update op, built) so that the
     gradients ``chunks`` name (lists of indices into ``grads``/``variables``/``allreduces``,
     first chunk first) are reduced and applied at the start of the next run; returns the
     new train op. ``allreduces[i]`` is the HorovodAllreduce op of ``grads[i]``;
     ``reduce_like(tensor)`` reduces a tensor as the gradients are reduced (the flush).
-    Where a deferred variable has no update op this knows, nothing is deferred (with a
-    warning): its forward reads could not be made to wait."""
+    Nothing is deferred (with a warning) where a deferred variable has no update op this
+    knows (its forward reads could not be made to wait), or where a deferred gradient is
+    combined with others after the reduction (a global-norm clip would mix two steps)."""
     import tensorflow as tf
     from tensorflow.core.framework import attr_value_pb2
 
@@ -82,6 +102,14 @@ def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce
     if unknown:
         logger.warning("tfoverlap: cross_step: no update op of %s is known (%s); nothing "
                        "deferred", unknown[0], ", ".join(sorted(_APPLY_OPS)))
+        return train
+    combined = [variables[i].op.name for i in deferred if _reaches_other_updates(
+        allreduces[i], {op for op in variables[i].handle.consumers()
+                        if op.type in _APPLY_OPS})]
+    if combined:
+        logger.warning("tfoverlap: cross_step: the reduced gradient of %s reaches other "
+                       "variables' updates (gradients combined after the reduction, e.g. "
+                       "clipped by their global norm); nothing deferred", combined[0])
         return train
     forward = _ancestors([grads[i] for i in range(len(grads)) if grads[i] is not None])
     stores, buffers, chained = [], [], []
