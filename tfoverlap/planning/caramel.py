@@ -199,6 +199,8 @@ def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4,
     cut into up to ``chunks`` runs, each of about twice the ring time of the one before:
     the forward pass waits for the first chunk's updates before it starts, and for the
     later ones while it computes the layers before them."""
+    if chunks < 1:
+        raise ValueError(f"deferred_chunks needs chunks >= 1, not {chunks}")
     if not plan.buckets or not plan.nodes:
         return []
     window = min(plan.ready[0], max(0.0, plan.buckets[-1].finish - plan.ready[-1]))
