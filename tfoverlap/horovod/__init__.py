@@ -243,6 +243,10 @@ def warmup_profile(graph, gradients, steps: int, options: dict) -> str:
         logger.warning("tfoverlap: the profiled warm-up (profile_steps=%d) cannot run: %s",
                        steps, error)
         payload = b""
+    except Exception as error:  # noqa: BLE001 - a warm-up never stops training
+        logger.warning("tfoverlap: the profiled warm-up (profile_steps=%d) failed (%s: %s)",
+                       steps, type(error).__name__, error)
+        payload = b""
     shared = _bytes_from_rank0(payload, "tfoverlap_warmup_profile")
     if not shared:
         logger.warning("tfoverlap: no profiled warm-up on rank 0; Caramel plans with static "
