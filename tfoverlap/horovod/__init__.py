@@ -402,16 +402,21 @@ def _defer_and_schedule(train, optimizer, reduce_like, grads, variables, allredu
                                             plan_for_graph, request_latency)
     graph = train.graph
     options = parse_options(caramel_options())
-    plan, inputs = plan_for_graph(graph.as_graph_def(), options)
-    latency = request_latency(options.latency, inputs.ranks,
-                              horovod_cycle_seconds(options.cycle_ms))
-    rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options), 0.0))
-             for size in plan.sizes]
-    request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
-    index_of = {allreduce.name: index for index, allreduce in enumerate(allreduces)
-                if allreduce is not None}
-    chunks = [[index_of[plan.model.names[plan.nodes[p]]] for p in chunk]
-              for chunk in deferred_chunks(plan, rings, request_seconds=request)]
+    try:
+        plan, inputs = plan_for_graph(graph.as_graph_def(), options)
+        latency = request_latency(options.latency, inputs.ranks,
+                                  horovod_cycle_seconds(options.cycle_ms))
+        rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
+                                              0.0)) for size in plan.sizes]
+        request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
+        index_of = {allreduce.name: index for index, allreduce in enumerate(allreduces)
+                    if allreduce is not None}
+        chunks = [[index_of[plan.model.names[plan.nodes[p]]] for p in chunk]
+                  for chunk in deferred_chunks(plan, rings, request_seconds=request)]
+    except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
+        logger.warning("tfoverlap: cross_step: no plan to defer with (%s: %s); nothing "
+                       "deferred", type(error).__name__, error)
+        chunks = []
     if chunks:
         train = defer_updates(train, optimizer, grads, variables, allreduces, chunks,
                               reduce_like)
