@@ -34,7 +34,9 @@ BANDWIDTH = os.environ.get("CARAMEL_TEST_RANK1_BANDWIDTH") if hvd.rank() == 1 el
 # force: these jobs check the plan Caramel enforces, even where it predicts no gain.
 # CARAMEL_TEST_CHAIN: the bucket_chain option ("finished" makes the order strict);
 # CARAMEL_TEST_BUCKET_BYTES: the bucket_bytes option.
-OPTIONS = dict(bandwidth=BANDWIDTH or "1Gbit", latency=50e-6, force=True,
+# CARAMEL_TEST_BANDWIDTH: the link every rank plans with (1 Gbit/s by default).
+OPTIONS = dict(bandwidth=BANDWIDTH or os.environ.get("CARAMEL_TEST_BANDWIDTH", "1Gbit"),
+               latency=50e-6, force=True,
                flops=float(os.environ.get("CARAMEL_TEST_FLOPS", 1e11)),
                bucket_chain=os.environ.get("CARAMEL_TEST_CHAIN", "issued"),
                bucket_bytes=float(os.environ.get("CARAMEL_TEST_BUCKET_BYTES", 4 * 2 ** 20)))
