@@ -227,7 +227,7 @@ def warmup_profile(graph, gradients, steps: int, options: dict) -> str:
     """Every rank runs the profiled warm-up (so that the ranks contend for the host as in
     training); rank 0's profile is written to a file of this rank and its path returned,
     or "" (with a warning) where rank 0's warm-up could not run."""
-    from tfoverlap.costs.profile import Profile, load_profile, save_profile
+    from tfoverlap.costs.profile import load_profile
     from tfoverlap.integrations.warmup_profile import WarmupError, profile_gradients
     config = None
     if options.get("emulate"):
@@ -253,9 +253,8 @@ def warmup_profile(graph, gradients, steps: int, options: dict) -> str:
                        "estimates")
         return ""
     handle, path = tempfile.mkstemp(prefix="tfoverlap-warmup-", suffix=".json")
-    os.close(handle)
-    save_profile(Profile(**{key: value for key, value in json.loads(shared).items()
-                            if key not in ("format", "version")}), path)
+    with os.fdopen(handle, "wb") as stream:     # rank 0's profile file, as it wrote it
+        stream.write(shared)
     loaded = load_profile(path)           # validated like any profile file
     logger.info("tfoverlap: profiled warm-up: %d steps, %d ops timed in %.1f s (rank 0's)",
                 loaded.steps, len(loaded.op_seconds), time.perf_counter() - began)
