@@ -49,8 +49,10 @@ VARIANTS = {
     "tic_forced": {"tfoverlap": {"schedule": "tic", "force": True}},
     # The emulation's check: every worker op replaced by an emulated kernel that takes the
     # time the default's profile measured for it (a CPU's semantics: the executor waits
-    # for each op; one stream per inter-op thread). The profile path is added per worker.
-    "replay": {"tfoverlap": {"schedule": "none", "emulate_blocking": True}},
+    # for each op), as many at once as ran at once in the profile (ps_worker.replay_streams).
+    # The profile path is added per worker.
+    "replay": {"tfoverlap": {"schedule": "none", "emulate_blocking": True},
+               "streams_from_profile": True},
 }
 #: what a run compares unless told otherwise.
 DEFAULT_VARIANTS = ("default", "tf_recv_scheduling", "tic", "tac")
@@ -140,8 +142,7 @@ def _variant_spec(name: str, workdir: str, task: int, config: Configuration) -> 
     if spec.get("tfoverlap", {}).get("schedule") == "tac":  # TAC's profile, per worker
         spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
     if name == "replay":
-        spec["tfoverlap"].update(emulate=_profile_path(workdir, task),
-                                 emulate_streams=config.inter_op)
+        spec["tfoverlap"]["emulate"] = _profile_path(workdir, task)
     return spec
 
 

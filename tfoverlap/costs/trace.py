@@ -18,7 +18,7 @@ from tfoverlap.graph.devices import DeviceMatcher
 __all__ = ["RecvEvent", "recv_events", "observed_transfer_order", "op_durations",
            "op_start_order", "step_timeline", "device_filter", "profiled_op_starts",
            "EMULATED_OP", "STREAM_WAIT_OP", "EmulatedKernel", "emulated_kernels",
-           "step_span", "op_type_starts"]
+           "step_span", "op_type_starts", "op_concurrency"]
 
 #: the op types of emulated-accelerator kernels and their waits (native/emulated_compute.cc).
 EMULATED_OP = "TfOverlapEmulatedCompute"
@@ -133,6 +133,25 @@ def op_durations(run_metadata, devices: str = "") -> dict[str, int]:
     spec ``devices`` (all devices if empty)."""
     return {node.node_name: max(0, node.op_end_rel_micros - node.op_start_rel_micros)
             for node in _op_stats(run_metadata, devices)}
+
+
+def op_concurrency(run_metadata, devices: str = "") -> float:
+    """How many ops ran at once, on average while any ran, on matching devices: their
+    summed compute time over the time covered by at least one (0.0 without ops)."""
+    intervals = sorted((node.all_start_micros + node.op_start_rel_micros,
+                        node.all_start_micros + node.op_end_rel_micros)
+                       for node in _op_stats(run_metadata, devices)
+                       if node.op_end_rel_micros > node.op_start_rel_micros)
+    covered, total, reach = 0, 0, None
+    for start, end in intervals:
+        total += end - start
+        if reach is None or start >= reach:
+            covered += end - start
+            reach = end
+        elif end > reach:
+            covered += end - reach
+            reach = end
+    return total / covered if covered else 0.0
 
 
 def op_start_order(run_metadata, devices: str, names) -> list[str]:
