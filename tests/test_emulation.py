@@ -288,27 +288,33 @@ def test_device_files_override_the_model_and_bad_ones_are_named(tmp_path):
             tfoverlap.session_config(emulate=str(bad))
 
 
-def test_a_profile_replays_each_ops_mean_time_where_it_has_one(tmp_path):
+def test_a_profile_replays_each_ops_share_else_its_mean_time(tmp_path):
     from tfoverlap.costs.profile import Profile, load_profile, save_profile
-    with_means = tmp_path / "with_means.json"
+    with_shares = tmp_path / "with_shares.json"
     save_profile(Profile(op_seconds={"conv": 0.001}, transfer_seconds={},
-                         op_mean_seconds={"conv": 0.003}), str(with_means))
-    assert load_profile(str(with_means)).op_mean_seconds == {"conv": 0.003}
-    assert load_device_model(str(with_means)).op_time("conv", "Conv2D", 1e12, 0) == 0.003
-    older = tmp_path / "older.json"          # written before means were kept
-    data = json.loads(with_means.read_text())
-    del data["op_mean_seconds"]
+                         op_mean_seconds={"conv": 0.003}, op_share_seconds={"conv": 0.002}),
+                 str(with_shares))
+    assert load_profile(str(with_shares)).op_share_seconds == {"conv": 0.002}
+    assert load_device_model(str(with_shares)).op_time("conv", "Conv2D", 1e12, 0) == 0.002
+    older = tmp_path / "older.json"          # written before shares were kept
+    data = json.loads(with_shares.read_text())
+    del data["op_share_seconds"]
+    older.write_text(json.dumps(data))
+    assert load_device_model(str(older)).op_time("conv", "Conv2D", 1e12, 0) == 0.003
+    del data["op_mean_seconds"]              # ... and before means were
     older.write_text(json.dumps(data))
     assert load_device_model(str(older)).op_time("conv", "Conv2D", 1e12, 0) == 0.001
-    data["op_mean_seconds"] = {"conv": -1}
-    older.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="op_mean_seconds"):
-        load_device_model(str(older))
+    for key in ("op_mean_seconds", "op_share_seconds"):
+        data[key] = {"conv": -1}
+        older.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=key):
+            load_device_model(str(older))
+        del data[key]
 
 
-def test_op_concurrency_is_the_ops_time_over_the_time_some_op_ran():
+def test_each_op_gets_its_share_of_the_moments_it_ran_in():
     from tensorflow.core.framework import step_stats_pb2
-    from tfoverlap.costs.trace import op_concurrency
+    from tfoverlap.costs.trace import op_wall_shares
     stats = step_stats_pb2.StepStats()
     mine = stats.dev_stats.add(device="/job:worker/replica:0/task:0/device:CPU:0")
     for name, start, end in (("a", 0, 10), ("b", 5, 15), ("c", 20, 25), ("empty", 30, 30)):
@@ -316,31 +322,13 @@ def test_op_concurrency_is_the_ops_time_over_the_time_some_op_ran():
                             op_start_rel_micros=0, op_end_rel_micros=end - start)
     other = stats.dev_stats.add(device="/job:worker/replica:0/task:1/device:CPU:0")
     other.node_stats.add(node_name="elsewhere", all_start_micros=1000, op_end_rel_micros=10)
-    # 25 µs of ops in the 20 µs during which at least one ran.
-    assert op_concurrency(stats, "/job:worker/task:0") == pytest.approx(1.25)
-    assert op_concurrency(stats, "/job:worker/task:2") == 0.0
+    # a and b ran together from 5 to 10: half of those 5 µs each.
+    assert op_wall_shares(stats, "/job:worker/task:0") == pytest.approx(
+        {"a": 7.5, "b": 7.5, "c": 5.0})
+    assert op_wall_shares(stats, "/job:worker/task:2") == {}
 
 
-def test_a_replay_runs_as_many_kernels_at_once_as_the_profile_ran_ops(tmp_path):
-    from tfoverlap.bench.ps_worker import replay_streams
-    from tfoverlap.costs.profile import Profile, ProfileError, load_profile, save_profile
-    path = str(tmp_path / "profile.json")
-    for measured, inter_op, streams in ((1.1, 2, 1), (1.7, 2, 2), (3.4, 2, 2), (0.0, 4, 4)):
-        save_profile(Profile(op_seconds={"conv": 0.001}, transfer_seconds={},
-                             op_concurrency=measured), path)
-        assert load_profile(path).op_concurrency == measured
-        assert replay_streams(path, inter_op) == streams, measured
-    data = json.loads(open(path).read())
-    del data["op_concurrency"]               # written before it was measured
-    (tmp_path / "older.json").write_text(json.dumps(data))
-    assert replay_streams(str(tmp_path / "older.json"), 2) == 2
-    data["op_concurrency"] = -1
-    (tmp_path / "bad.json").write_text(json.dumps(data))
-    with pytest.raises(ProfileError, match="op_concurrency"):
-        load_profile(str(tmp_path / "bad.json"))
-
-
-def test_a_cpu_profile_measures_how_many_ops_ran_at_once(tmp_path):
+def test_a_cpu_profile_keeps_each_ops_share_and_an_emulated_one_none(tmp_path):
     model = build_model("resnet20", batch=8, num_ps=0, worker_device="/cpu:0", training=True,
                         image_size=32)
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=2,
@@ -348,8 +336,12 @@ def test_a_cpu_profile_measures_how_many_ops_ran_at_once(tmp_path):
     with tf.compat.v1.Session(graph=model.graph, config=config) as session:
         session.run(model.init)
         measured = tfoverlap.profile(session, model.fetch, steps=2, worker_device="")
-    # At least one op at a time; never more than the executor's two threads.
-    assert 1.0 <= measured.op_concurrency <= 2.0
+    assert set(measured.op_share_seconds) <= set(measured.op_mean_seconds)
+    assert len(measured.op_share_seconds) > 50
+    # A share is at most the op's own time; where ops ran together, less.
+    assert all(share <= measured.op_mean_seconds[name] + 1e-9
+               for name, share in measured.op_share_seconds.items())
+    assert sum(measured.op_share_seconds.values()) < sum(measured.op_mean_seconds.values())
 
 
 def test_a_process_without_tfoverlap_cannot_run_the_op_and_tfoverlap_load_registers_it():
@@ -411,7 +403,7 @@ def test_a_profile_of_an_emulated_run_holds_the_kernels_stream_times(tmp_path):
     overlaps = [(earlier, later) for earlier, later in zip(streamed, streamed[1:])
                 if later[1] < earlier[1] + earlier[2]]
     assert not overlaps, overlaps[:3]
-    assert measured.op_concurrency == 0.0    # kernels' stream times: not a CPU's ops
+    assert measured.op_share_seconds == {}   # kernels on streams: no CPU time to share
     new, _ = tfoverlap.optimize(model.graph.as_graph_def(), fetch=[model.fetch.name],
                                 schedule="none", emulate="v100", dilation=7)
     durations = {n.name: n.attr["duration_us"].f * 1e-6 for n in new.node

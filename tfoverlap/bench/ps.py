@@ -49,10 +49,9 @@ VARIANTS = {
     "tic_forced": {"tfoverlap": {"schedule": "tic", "force": True}},
     # The emulation's check: every worker op replaced by an emulated kernel that takes the
     # time the default's profile measured for it (a CPU's semantics: the executor waits
-    # for each op), as many at once as ran at once in the profile (ps_worker.replay_streams).
-    # The profile path is added per worker.
-    "replay": {"tfoverlap": {"schedule": "none", "emulate_blocking": True},
-               "streams_from_profile": True},
+    # for each op), one kernel at a time, each op its share of the profiled steps' compute
+    # time (tfoverlap.costs.profile). The profile path is added per worker.
+    "replay": {"tfoverlap": {"schedule": "none", "emulate_blocking": True}},
 }
 #: what a run compares unless told otherwise.
 DEFAULT_VARIANTS = ("default", "tf_recv_scheduling", "tic", "tac")
@@ -191,7 +190,10 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
                                    "path": os.path.join(workdir, "graph.pb")}]
                                  + [None] * (config.num_workers - 1))[0]["fetch"]
         progress(f"{config.label}: profiling default steps (for TAC and the simulator)")
-        workers.ask_each([{"cmd": "profile", "steps": 3, "path": _profile_path(workdir, t)}
+        # After a few more steps: the first ones after start-up are slower (allocations),
+        # and a replay of their times would be too.
+        workers.ask_each([{"cmd": "profile", "warmup": 3, "steps": 5,
+                           "path": _profile_path(workdir, t)}
                           for t in range(config.num_workers)])
         passes = {}
         for name in variants:

@@ -36,17 +36,6 @@ __all__ = ["ANSWER", "main"]
 ANSWER = "tfoverlap-bench "
 
 
-def replay_streams(profile_path: str, inter_op: int) -> int:
-    """How many emulated kernels a replay of this host's profile runs at once: as many as
-    ops ran at once in the profiled steps (rounded), where the profile measured it, else one
-    per inter-op thread. The executor could run ``inter_op`` ops at once, but on a host
-    whose cores the other workers and the PS share, the ops it ran together stretched each
-    other, and their profiled times already hold that."""
-    from tfoverlap.costs.profile import load_profile
-    concurrency = load_profile(profile_path).op_concurrency
-    return max(1, min(inter_op, round(concurrency))) if concurrency else inter_op
-
-
 class Worker:
     def __init__(self, config: dict):
         import tensorflow as tf
@@ -95,9 +84,6 @@ class Worker:
         if spec.get("recv_scheduling"):
             config.graph_options.enable_recv_scheduling = True
         options = dict(spec.get("tfoverlap") or {})
-        if spec.get("streams_from_profile"):
-            options["emulate_streams"] = replay_streams(options["emulate"],
-                                                        self.config["inter_op"])
         if self.config.get("emulate"):
             options = {"schedule": "none", **options, **self.emulation()}
         if options:
@@ -173,7 +159,8 @@ class Worker:
 
     def profile(self, command):
         self.tfoverlap.profile(self.session("default"), self.model.fetch,
-                               steps=command["steps"], warmup=1, path=command["path"])
+                               steps=command["steps"], warmup=command.get("warmup", 1),
+                               path=command["path"])
         return {}
 
     def steps(self, command):

@@ -25,9 +25,10 @@ the resulting ResNet-50 and VGG-16 steps with published throughput.
 A JSON device file can be given instead of a name: the same fields, any of them, on top of
 a named model (``"base": "v100"``), and ``op_seconds``, per-op times by node name (for
 example measured on a real GPU), which win over the roofline. A profile written by
-``tfoverlap.profile`` is a device file too: it replays the measured op times (their means,
-where the profile has them: the expected time, not the median), and ops it did not see take
-no time (the emulation's own validation replays this CPU's profile).
+``tfoverlap.profile`` is a device file too: it replays the measured op times (each op's share
+of the step's compute time, where the profile has them, else their means, else medians),
+and ops it did not see take no time (the emulation's own validation replays this CPU's
+profile, one kernel at a time).
 """
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def load_device_model(spec: str) -> DeviceModel:
         return DeviceModel(f"profile {os.path.basename(spec)}", matrix_flops=math.inf,
                            vector_flops=math.inf, memory_bandwidth=math.inf,
                            launch_seconds=0.0,
-                           op_seconds=dict(profile.op_mean_seconds or profile.op_seconds))
+                           op_seconds=dict(profile.op_share_seconds or profile.op_mean_seconds
+                                           or profile.op_seconds))
     unknown = sorted(set(data) - {"name", "base", "op_seconds", *_NUMBER_FIELDS})
     if unknown:
         raise ValueError(f"emulate: device file {spec}: unknown field {unknown[0]!r}")

@@ -5,9 +5,11 @@ per-transfer seconds and bytes (keyed by the name of the PS-side source node), m
 the profiled steps. Per-op means are kept too (``op_mean_seconds``): a replay of the
 profile on emulated kernels (``emulate=PROFILE``) needs each op's expected time, and on a
 busy host an op's time is skewed to the right (preemptions), so the sum of medians falls
-short of the step the ops made. ``op_concurrency`` is how many ops ran at once on average
-while any ran: a replay runs that many kernels at once, as the profiled host did (its cores
-shared with other processes), not as many as the executor has threads.
+short of the step the ops made. And each op's share of the step's compute time
+(``op_share_seconds``: every moment that k ops ran split among them) is what a replay takes:
+ops that ran together on shared cores stretched each other, and replaying their own
+durations side by side would not take the cores they took, nor one after another count
+their overlap once.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import os
 import statistics
 from typing import Mapping
 
-from tfoverlap.costs.trace import (device_filter, emulated_kernels, op_concurrency,
-                                   op_durations, recv_events)
+from tfoverlap.costs.trace import (device_filter, emulated_kernels, op_durations, op_wall_shares,
+                                   recv_events)
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileError", "load_profile",
            "save_profile", "profile"]
@@ -40,13 +42,13 @@ class Profile:
     steps: int = 0
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
     op_mean_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    op_concurrency: float = 0.0     # 0: not measured (profiles written before it was)
+    op_share_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "steps": self.steps,
                 "metadata": dict(self.metadata), "op_seconds": dict(self.op_seconds),
                 "op_mean_seconds": dict(self.op_mean_seconds),
-                "op_concurrency": self.op_concurrency,
+                "op_share_seconds": dict(self.op_share_seconds),
                 "transfer_seconds": dict(self.transfer_seconds),
                 "transfer_bytes": dict(self.transfer_bytes)}
 
@@ -93,21 +95,17 @@ def load_profile(path: str) -> Profile:
         raise ProfileError(f"profile {path!r} has version {data.get('version')!r}; this "
                            f"tfoverlap reads version {PROFILE_VERSION}: profile again")
     op_seconds = _seconds_table(data, "op_seconds", path)
-    # Absent from profiles written before means were kept.
-    op_mean_seconds = (_seconds_table(data, "op_mean_seconds", path)
-                       if "op_mean_seconds" in data else {})
+    # Absent from profiles written before means (shares) were kept.
+    op_mean_seconds, op_share_seconds = (
+        _seconds_table(data, key, path) if key in data else {}
+        for key in ("op_mean_seconds", "op_share_seconds"))
     transfer_seconds = _seconds_table(data, "transfer_seconds", path)
-    concurrency = data.get("op_concurrency", 0.0)
-    if (not isinstance(concurrency, (int, float)) or isinstance(concurrency, bool)
-            or not math.isfinite(concurrency) or concurrency < 0):
-        raise ProfileError(f"profile {path!r}: op_concurrency = {concurrency!r} is not a "
-                           "non-negative number")
     transfer_bytes = {name: int(value) for name, value in
                       _seconds_table(data, "transfer_bytes", path).items()}
     return Profile(op_seconds=op_seconds, transfer_seconds=transfer_seconds,
                    transfer_bytes=transfer_bytes, steps=int(data.get("steps", 0)),
                    metadata=data.get("metadata", {}), op_mean_seconds=op_mean_seconds,
-                   op_concurrency=float(concurrency))
+                   op_share_seconds=op_share_seconds)
 
 
 def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
@@ -130,7 +128,7 @@ def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
     op_samples: dict[str, list[float]] = {}
     transfer_samples: dict[str, list[float]] = {}
     transfer_bytes: dict[str, int] = {}
-    concurrency: list[float] = []
+    share_samples: dict[str, list[float]] = {}
     on_worker = device_filter(worker_device)
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
                                       output_partition_graphs=True)
@@ -139,10 +137,12 @@ def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
         session.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
         stream_seconds = {name: kernel.seconds
                           for name, kernel in emulated_kernels(metadata).items()}
+        # A CPU's ops have shares; emulated kernels' stream times are not CPU time.
+        shares = {} if stream_seconds else op_wall_shares(metadata, worker_device)
         for name, micros in op_durations(metadata, worker_device).items():
             op_samples.setdefault(name, []).append(stream_seconds.get(name, micros * 1e-6))
-        if not stream_seconds:
-            concurrency.append(op_concurrency(metadata, worker_device))
+            if not stream_seconds:
+                share_samples.setdefault(name, []).append(shares.get(name, 0.0) * 1e-6)
         for event in recv_events(metadata):
             if on_worker(event.destination_device) and event.bytes > 0:
                 transfer_samples.setdefault(event.source, []).append(
@@ -154,7 +154,7 @@ def profile(session, fetches, feed_dict=None, steps: int = 5, warmup: int = 1,
         transfer_bytes=transfer_bytes, steps=steps,
         metadata={"tensorflow": tf.__version__, "worker_device": worker_device},
         op_mean_seconds={k: statistics.fmean(v) for k, v in op_samples.items()},
-        op_concurrency=statistics.median(concurrency) if concurrency else 0.0)
+        op_share_seconds={k: statistics.fmean(v) for k, v in share_samples.items()})
     if path:
         save_profile(result, path)
     return result

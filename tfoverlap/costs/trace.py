@@ -18,7 +18,7 @@ from tfoverlap.graph.devices import DeviceMatcher
 __all__ = ["RecvEvent", "recv_events", "observed_transfer_order", "op_durations",
            "op_start_order", "step_timeline", "device_filter", "profiled_op_starts",
            "EMULATED_OP", "STREAM_WAIT_OP", "EmulatedKernel", "emulated_kernels",
-           "step_span", "op_type_starts", "op_concurrency"]
+           "step_span", "op_type_starts", "op_wall_shares"]
 
 #: the op types of emulated-accelerator kernels and their waits (native/emulated_compute.cc).
 EMULATED_OP = "TfOverlapEmulatedCompute"
@@ -135,23 +135,33 @@ def op_durations(run_metadata, devices: str = "") -> dict[str, int]:
             for node in _op_stats(run_metadata, devices)}
 
 
-def op_concurrency(run_metadata, devices: str = "") -> float:
-    """How many ops ran at once, on average while any ran, on matching devices: their
-    summed compute time over the time covered by at least one (0.0 without ops)."""
-    intervals = sorted((node.all_start_micros + node.op_start_rel_micros,
-                        node.all_start_micros + node.op_end_rel_micros)
-                       for node in _op_stats(run_metadata, devices)
-                       if node.op_end_rel_micros > node.op_start_rel_micros)
-    covered, total, reach = 0, 0, None
-    for start, end in intervals:
-        total += end - start
-        if reach is None or start >= reach:
-            covered += end - start
-            reach = end
-        elif end > reach:
-            covered += end - reach
-            reach = end
-    return total / covered if covered else 0.0
+def op_wall_shares(run_metadata, devices: str = "") -> dict[str, float]:
+    """Each op's share of the step's compute time on matching devices, in µs: every moment
+    that k ops ran is split among them, 1/k each. The shares sum to the time some op ran,
+    and a replay that runs them one at a time takes that time, where replaying the ops'
+    own durations would count twice what ops that ran together (on shared cores) took."""
+    events = []
+    for node in _op_stats(run_metadata, devices):
+        if node.op_end_rel_micros > node.op_start_rel_micros:
+            events.append((node.all_start_micros + node.op_start_rel_micros, 1, node.node_name))
+            events.append((node.all_start_micros + node.op_end_rel_micros, -1, node.node_name))
+    events.sort(key=lambda event: (event[0], event[1]))
+    shares: dict[str, float] = {}
+    running: dict[str, int] = {}
+    last = None
+    for time_micros, change, name in events:
+        if running and last is not None and time_micros > last:
+            each = (time_micros - last) / len(running)
+            for member in running:
+                shares[member] = shares.get(member, 0.0) + each
+        last = time_micros
+        if change > 0:
+            running[name] = running.get(name, 0) + 1
+        elif running.get(name, 0) > 1:
+            running[name] -= 1
+        else:
+            running.pop(name, None)
+    return shares
 
 
 def op_start_order(run_metadata, devices: str, names) -> list[str]:
