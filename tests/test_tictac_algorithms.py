@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups, tac_order,
-                                         tic_order, transfer_priorities)
+from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups,
+                                         release_groups_per_link, tac_order, tic_order,
+                                         transfer_priorities)
 
 
 def bits(*transfers):
@@ -180,6 +181,17 @@ def test_release_groups_fill_up_to_the_credit_and_a_large_transfer_goes_alone():
     assert release_groups([], credit=5) == []
     with pytest.raises(ValueError, match="credit must be non-negative"):
         release_groups([1], credit=-1)
+
+
+def test_release_groups_per_link_cut_each_links_part_of_the_order():
+    sizes = [1, 1, 5, 1, 1, 1]
+    links = ["a", "b", "a", "a", "b", "b"]
+    assert release_groups_per_link(sizes, links, credit=2) == [
+        ("a", [[0], [2], [3]]), ("b", [[1, 4], [5]])]
+    assert release_groups_per_link(sizes, ["a"] * 6, credit=3) == [
+        ("a", release_groups(sizes, credit=3))]
+    with pytest.raises(ValueError, match="one entry per transfer"):
+        release_groups_per_link([1, 2], ["a"], credit=1)
 
 
 @settings(max_examples=50, deadline=None)

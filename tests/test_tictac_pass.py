@@ -66,8 +66,36 @@ def test_rewrite_keeps_every_dependency_and_adds_only_marked_edges(num_ps, windo
         marked = ["^" + s.decode() for s in node.attr[GATES_ATTR].list.s] if extra else []
         assert extra == marked
         added += len(extra)
-    assert added == report.passes[0].summary["ordering_edges"] == 16 - window
+    # Each PS task's link has its own window: its first `window` transfers go ungated.
+    assert added == report.passes[0].summary["ordering_edges"] == 16 - window * num_ps
     verify_graph_def(new)
+
+
+def test_each_ps_link_has_its_own_window_over_the_order():
+    """Two PS tasks, one transfer per group, window 1: each link's transfers are chained in
+    the order's sequence, and no gate waits for a transfer from the other PS task (one
+    window over both would idle a link while the other's transfer is in flight)."""
+    from tfoverlap.options import parse_options
+    from tfoverlap.planning.tictac import plan_transfer_order
+    graph_def = chain_graph_def(num_ps=2)
+    plan = plan_transfer_order(graph_def, parse_options(
+        dict(schedule="tic", credit=0, window=1, force=True)))
+    ((destination, order),) = plan.orders.items()
+    model = plan.model
+    devices = model.colocated_devices()
+    task = {t: devices[plan.transfers[t].source] for t in order}
+    name = {t: model.names[plan.transfers[t].source] for t in order}
+    arrivals = {a.name: a for a in plan.arrivals}
+    released = {source: gate for gate, source in plan.edges}
+    for ps_task in sorted(set(task.values())):
+        on_link = [t for t in order if task[t] == ps_task]
+        assert len(on_link) == 8
+        assert name[on_link[0]] not in released
+        for before, after in zip(on_link, on_link[1:]):
+            assert arrivals[released[name[after]]].tensors == (name[before],)
+    assert len(plan.edges) == 14
+    assert len(plan.groups[destination]) == 16
+    assert [t for group in plan.groups[destination] for t in group] == order
 
 
 def test_second_run_changes_nothing():

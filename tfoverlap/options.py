@@ -39,9 +39,10 @@ class Options:
                  link's bandwidth x round_trip (what keeps it busy across a gate's round
                  trip), and at least 1/32 of the bytes ordered per step (so one step pays
                  at most about 32 gate messages). 0: one transfer per group.
-    window:      how many release groups may be in flight at once: group j leaves the PS
-                 when group j-window has arrived (1 = strictly serial; 2 keeps one group
-                 in flight while the next is released).
+    window:      how many release groups may be in flight at once on each PS task's link:
+                 group j leaves its PS task when that task's group j-window has arrived
+                 (1 = strictly serial; 2 keeps one group in flight while the next is
+                 released).
     round_trip:  seconds from a gate firing on the worker to the released transfer's first
                  byte (the control message to the PS and its response), for credit="auto".
     min_gain:    act only where the predicted gain is at least this fraction of the step

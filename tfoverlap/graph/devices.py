@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-__all__ = ["parse_device_spec", "DeviceMatcher"]
+__all__ = ["parse_device_spec", "DeviceMatcher", "task_of"]
 
 _DEVICE_FIELD = re.compile(r"/(job|replica|task|device|cpu|gpu|CPU|GPU):?([^/]*)")
 
@@ -45,6 +45,12 @@ def parse_device_spec(spec: str) -> dict[str, str]:
     if not fields:
         raise ValueError(f"{spec!r} is not a device spec like '/job:ps'")
     return fields
+
+
+def task_of(device: str) -> str:
+    """"job:task" of a device name: the process (and so the network link) it lives in."""
+    fields = _device_fields(device)
+    return f"{fields.get('job', '')}:{fields.get('task', '0')}"
 
 
 def _device_fields(device: str) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """TicTac's plan for a parameter-server graph: the transfers, their order, and the gates.
 
 Per destination (worker) device: find the transfers, compute TIC or TAC's order
-(:mod:`tfoverlap.schedulers.tictac`), cut the order into *release groups* of about
-``credit`` bytes, and pick for group j+window a worker-side *gate* of group j: an op on
+(:mod:`tfoverlap.schedulers.tictac`), cut each PS task's part of the order into *release
+groups* of about ``credit`` bytes, and pick for its group j+window a worker-side *gate* of
+its group j (each PS task's link has its own window): an op on
 the worker that runs once every transfer of group j has arrived (an Identity, or an
 IdentityN over the group) and needs no transfer ordered later. Every PS-side source of
 group j+window waits for that gate. Each gate costs one control message per PS task and
@@ -19,7 +20,7 @@ from tfoverlap.costs.host import host_flops, measured_links
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
 from tfoverlap.costs.static import static_costs
-from tfoverlap.graph.devices import DeviceMatcher
+from tfoverlap.graph.devices import DeviceMatcher, task_of
 from tfoverlap.graph.frames import ControlFlow, analysed
 from tfoverlap.graph.model import GraphModel, output_dtype, tensor_bytes
 from tfoverlap.planning.emulation import emulated_op_seconds
@@ -27,8 +28,8 @@ from tfoverlap.graph.transfers import Transfer, find_transfers
 from tfoverlap.log import warn_once
 from tfoverlap.options import DEFAULT_BANDWIDTH, Options
 from tfoverlap.rewriters.control_edges import ARRIVAL_ATTR, ARRIVAL_PREFIX, ArrivalNode
-from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups, tac_order,
-                                         tic_order)
+from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups_per_link,
+                                         tac_order, tic_order)
 
 __all__ = ["TransferPlan", "plan_transfer_order", "dependency_bits", "link_figures",
            "credit_bytes", "GainEstimate", "estimate_gain", "MOST_GATES_PER_STEP"]
@@ -273,42 +274,53 @@ def plan_transfer_order(graph_def, options: Options) -> TransferPlan:
         plan.orders[destination] = [start + t for t in order]
         sizes = [plan.sizes[start + t] for t in order]
         credit = credit_bytes(options, sum(sizes), bandwidth, round_trip)
-        groups = [[order[k] for k in positions] for positions in release_groups(sizes, credit)]
         plan.credit[destination] = credit
-        plan.groups[destination] = [[start + t for t in group] for group in groups]
-
-        # The gate of each group: with gate="consumer", a one-transfer group's earliest
-        # consumer that is a plain node and follows no source ordered later (by any path);
-        # else an arrival node of the group. A group without one borrows the last gate.
-        allowed = 0
-        gate_so_far: list[str | None] = []
-        for group in groups:
-            for t in group:
-                allowed |= 1 << t
-            gate = None
-            if options.gate == "consumer" and len(group) == 1:
-                valid = [c for c in local[group[0]].consumers
-                         if after_sources(c) & ~allowed == 0 and flow.is_plain(c)]
-                if valid:
-                    gate = model.names[min(valid, key=position.__getitem__)]
-            if gate is None and len(gate_so_far) + options.window < len(groups):
-                arrival = _arrival_node(graph_def, len(plan.orders) - 1, destination,
-                                        [local[t] for t in group])
-                if arrival is not None:
-                    plan.arrivals.append(arrival)
-                    gate = arrival.name
-            gate_so_far.append(gate if gate is not None else
-                               (gate_so_far[-1] if gate_so_far else None))
-        for j in range(options.window, len(groups)):
-            gate = gate_so_far[j - options.window]
-            if gate is None:
-                continue
-            for t in groups[j]:
-                target = local[t].source
-                if len(destinations_of_source[target]) > 1:
-                    shared_sources += 1
+        # Each PS task's link to this worker gets its own window of release groups: one
+        # window over all links idles a link whenever the groups in flight all come from
+        # the others. Every edge still goes from a gate that needs only transfers ordered
+        # before the sources it releases, so none can close a cycle.
+        links = [task_of(devices[local[t].source]) for t in order]
+        ordered_so_far, allowed = [], 0       # transfers up to each position of the order
+        for t in order:
+            allowed |= 1 << t
+            ordered_so_far.append(allowed)
+        all_groups = []
+        for _, positions_of_groups in release_groups_per_link(sizes, links, credit):
+            groups = [[order[k] for k in positions] for positions in positions_of_groups]
+            all_groups += positions_of_groups
+            # The gate of each group: with gate="consumer", a one-transfer group's earliest
+            # consumer that is a plain node and follows no source ordered later (by any
+            # path); else an arrival node of the group. A group without one borrows the
+            # link's last gate.
+            gate_so_far: list[str | None] = []
+            for positions, group in zip(positions_of_groups, groups):
+                gate = None
+                if options.gate == "consumer" and len(group) == 1:
+                    allowed = ordered_so_far[positions[-1]]
+                    valid = [c for c in local[group[0]].consumers
+                             if after_sources(c) & ~allowed == 0 and flow.is_plain(c)]
+                    if valid:
+                        gate = model.names[min(valid, key=position.__getitem__)]
+                if gate is None and len(gate_so_far) + options.window < len(groups):
+                    arrival = _arrival_node(graph_def, len(plan.orders) - 1, destination,
+                                            [local[t] for t in group])
+                    if arrival is not None:
+                        plan.arrivals.append(arrival)
+                        gate = arrival.name
+                gate_so_far.append(gate if gate is not None else
+                                   (gate_so_far[-1] if gate_so_far else None))
+            for j in range(options.window, len(groups)):
+                gate = gate_so_far[j - options.window]
+                if gate is None:
                     continue
-                plan.edges.append((gate, model.names[target]))
+                for t in groups[j]:
+                    target = local[t].source
+                    if len(destinations_of_source[target]) > 1:
+                        shared_sources += 1
+                        continue
+                    plan.edges.append((gate, model.names[target]))
+        plan.groups[destination] = [[start + order[k] for k in positions]
+                                    for positions in sorted(all_groups)]
         start = stop
 
     if shared_sources:

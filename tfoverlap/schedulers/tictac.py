@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["DependencySets", "group_dependency_sets", "tic_order", "tac_order",
-           "transfer_priorities", "release_groups"]
+           "transfer_priorities", "release_groups", "release_groups_per_link"]
 
 
 @dataclasses.dataclass
@@ -231,3 +231,18 @@ def release_groups(sizes: Sequence[float], credit: float) -> list[list[int]]:
             groups.append([position])
             group_bytes = size
     return groups
+
+
+def release_groups_per_link(sizes: Sequence[float], links: Sequence, credit: float
+                            ) -> list[tuple[object, list[list[int]]]]:
+    """(link, its release groups) for each link, in the order links first appear: the order
+    (``sizes[k]``, ``links[k]``: bytes and link of its k-th transfer) restricted to one link,
+    cut as :func:`release_groups` cuts it. Positions are the whole order's."""
+    if len(sizes) != len(links):
+        raise ValueError("sizes and links must have one entry per transfer")
+    positions_of: dict = {}
+    for position, link in enumerate(links):
+        positions_of.setdefault(link, []).append(position)
+    return [(link, [[positions[k] for k in group]
+                    for group in release_groups([sizes[p] for p in positions], credit)])
+            for link, positions in positions_of.items()]

@@ -20,7 +20,7 @@ import statistics
 import numpy as np
 
 from tfoverlap.costs.profile import Profile
-from tfoverlap.graph.devices import DeviceMatcher, parse_device_spec
+from tfoverlap.graph.devices import DeviceMatcher, task_of
 from tfoverlap.graph.model import RESOURCE_HANDLE_OPS, GraphModel, is_variable_op, tensor_bytes
 from tfoverlap.options import parse_options
 from tfoverlap.planning.tictac import plan_transfer_order
@@ -56,7 +56,7 @@ class _PsGraph:
         self.model = model = GraphModel.from_graph_def(graph_def)
         devices = model.colocated_devices()
         is_ps = DeviceMatcher(scenario.ps_devices)
-        ps_tasks = sorted({self._task_of(d) for d in devices if d and is_ps(d)})
+        ps_tasks = sorted({task_of(d) for d in devices if d and is_ps(d)})
         if not ps_tasks:
             raise SimulationError(f"the graph has no node on a PS device ({scenario.ps_devices}); "
                                   "is it a parameter-server graph? (see --ps-devices)")
@@ -67,7 +67,7 @@ class _PsGraph:
         host = []
         for device in devices:
             if device and is_ps(device):
-                host.append(ps_tasks.index(self._task_of(device)))
+                host.append(ps_tasks.index(task_of(device)))
             elif device in ("", self.worker_device):
                 host.append(worker_host)
             else:
@@ -147,11 +147,6 @@ class _PsGraph:
             load[task] += tensor_bytes(graph_def, model, variable) or 0
         for node, variable in root.items():
             host[node] = task_of.get(variable, 0)
-
-    @staticmethod
-    def _task_of(device: str) -> str:
-        fields = parse_device_spec(device)
-        return f"{fields.get('job', '')}:{fields.get('task', '0')}"
 
     def _bytes(self, graph_def, producer: int, consumer: int, profiled: dict) -> float:
         model = self.model
