@@ -280,10 +280,10 @@ def plan_transfer_order(graph_def, options: Options) -> TransferPlan:
         # the others. Every edge still goes from a gate that needs only transfers ordered
         # before the sources it releases, so none can close a cycle.
         links = [task_of(devices[local[t].source]) for t in order]
-        ordered_so_far, allowed = [], 0       # transfers up to each position of the order
+        ordered_so_far, so_far = [], 0        # transfers up to each position of the order
         for t in order:
-            allowed |= 1 << t
-            ordered_so_far.append(allowed)
+            so_far |= 1 << t
+            ordered_so_far.append(so_far)
         all_groups = []
         for _, positions_of_groups in release_groups_per_link(sizes, links, credit):
             groups = [[order[k] for k in positions] for positions in positions_of_groups]
