@@ -41,6 +41,7 @@ def test_rewriter_config_text_parses_back():
     ({"schedul": "tic"}, "unknown tfoverlap option 'schedul'"),
     ({"schedule": "fastest"}, "option 'schedule' must be one of"),
     ({"window": 0}, "option 'window' must be at least 1"),
+    ({"workers": -1}, "option 'workers' must be 0 \\(ask TF_CONFIG\\) or more"),
     ({"gate": "sometimes"}, "option 'gate' must be one of"),
     ({"window": "two"}, "option 'window' must be an integer"),
     ({"window": 1.5}, "option 'window' must be an integer"),

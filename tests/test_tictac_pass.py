@@ -340,3 +340,42 @@ def test_pass_acts_where_transfers_and_computation_are_comparable():
     assert summary["predicted_gain"] > 0.3 and "declined" not in summary
     assert summary["ordering_edges"] > 0
     verify_graph_def(new)
+
+
+def test_the_gain_estimate_counts_the_workers_that_share_each_ps_link(monkeypatch):
+    """Transfers comparable to the compute for one worker; with 64 workers pulling from the
+    same PS task its link carries every tensor 64 times a step, and ordering can gain
+    little: the pass steps aside. TF_CONFIG's cluster says the same as the option."""
+    import json
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    graph_def = ps_graph_def(kernel_size=1024, num_layers=8, batch=16, repeats=1)
+    options = dict(schedule="tic", bandwidth="10Gbit", flops=1e10)
+    _, alone = tfoverlap.optimize(graph_def, **options)
+    _, shared = tfoverlap.optimize(graph_def, workers=64, **options)
+    alone, shared = alone.passes[0].summary, shared.passes[0].summary
+    assert shared["comm_ms"] == pytest.approx(64 * alone["comm_ms"], rel=1e-4)
+    assert alone["predicted_gain"] > 0.3 and "declined" not in alone
+    assert shared["predicted_gain"] < 0.03
+    assert "64 workers sharing each PS link" in shared["declined"]
+    cluster = {"chief": ["c:1"], "worker": [f"w:{k}" for k in range(63)],
+               "ps": ["p:1"], "evaluator": ["e:1"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {}}))
+    _, from_cluster = tfoverlap.optimize(graph_def, **options)
+    assert from_cluster.passes[0].summary["comm_ms"] == shared["comm_ms"]
+    monkeypatch.setenv("TF_CONFIG", "{not json")       # unreadable: one worker, no error
+    _, unreadable = tfoverlap.optimize(graph_def, **options)
+    assert unreadable.passes[0].summary["comm_ms"] == alone["comm_ms"]
+
+
+def test_with_two_ps_tasks_the_busiest_ps_link_bounds_the_transfers(monkeypatch):
+    """Half the bytes on each of two PS tasks: two workers keep each PS link as busy as a
+    worker's own link, four make the PS links the bound (twice the worker's bytes)."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    graph_def = chain_model(num_layers=16, width=512, batch=4, num_ps=2).graph.as_graph_def()
+    comm = {}
+    for workers in (1, 2, 4):
+        _, report = tfoverlap.optimize(graph_def, schedule="tic", bandwidth="10Gbit",
+                                       flops=1e10, min_gain=0, workers=workers)
+        comm[workers] = report.passes[0].summary["comm_ms"]
+    assert comm[2] == pytest.approx(comm[1], rel=1e-3)
+    assert comm[4] == pytest.approx(2 * comm[1], rel=1e-3)

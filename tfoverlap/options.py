@@ -55,6 +55,9 @@ class Options:
     ps_devices:  comma-separated device specs whose nodes are parameter servers; a device
                  matches when every field the spec names agrees ("/job:ps" matches every
                  device of job ps, "/device:CPU:1" every CPU:1).
+    workers:     how many workers pull from each PS task, sharing its link (TicTac's gain
+                 estimate). 0 (default): the tasks that are not PS tasks in the cluster of
+                 the TF_CONFIG environment variable (tf.distribute's), else 1.
     profile:     a profile file written by ``tfoverlap.profile`` (TAC's costs); "" for none.
     bandwidth:   bytes per second of a link: transfer times missing from the profile, and
                  Caramel's beta (a number or a string such as "10Gbit"). "auto" (default):
@@ -111,6 +114,7 @@ class Options:
     force: bool = False
     gate: str = "arrival"
     ps_devices: str = "/job:ps"
+    workers: int = 0
     profile: str = ""
     bandwidth: float = 0.0          # 0: "auto"
     allreduce: str = "none"
@@ -256,10 +260,11 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             if value not in ALLREDUCE_SCHEDULES:
                 raise ValueError(f"option 'allreduce' must be one of {ALLREDUCE_SCHEDULES}, "
                                  f"got {value!r}")
-        elif name in ("ranks", "threads"):
+        elif name in ("ranks", "threads", "workers"):
             value = _as_int(name, value)
             if value < 0:
-                raise ValueError(f"option {name!r} must be 0 (ask the host) or more, "
+                asked = "TF_CONFIG" if name == "workers" else "the host"
+                raise ValueError(f"option {name!r} must be 0 (ask {asked}) or more, "
                                  f"got {value}")
         elif name in ("latency", "split_bytes", "bucket_bytes", "flops", "cycle_ms",
                       "round_trip", "min_gain"):

@@ -140,6 +140,8 @@ def _variant_spec(name: str, workdir: str, task: int, config: Configuration) -> 
     spec = copy.deepcopy(VARIANTS[name])
     if spec.get("tfoverlap", {}).get("schedule") == "tac":  # TAC's profile, per worker
         spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
+    if spec.get("tfoverlap", {}).get("schedule") in ("tic", "tac"):
+        spec["tfoverlap"]["workers"] = config.num_workers     # they share each PS link
     if name == "replay":
         spec["tfoverlap"]["emulate"] = _profile_path(workdir, task)
     return spec

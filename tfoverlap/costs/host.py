@@ -1,5 +1,5 @@
-"""Facts about this host that estimates need when nothing was profiled: its FLOP rate, and
-the links to the PS tasks that this process measured.
+"""Facts about this host that estimates need when nothing was profiled: its FLOP rate, the
+links to the PS tasks that this process measured, and how many workers its cluster has.
 
 The FLOP rate is measured once per process with numpy (no TensorFlow session: the Grappler
 plugin calls this from inside TensorFlow's optimizer); the links are measured when a
@@ -7,12 +7,14 @@ session starts (:mod:`tfoverlap.integrations.link_probe`) and recorded here.
 """
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
 import numpy as np
 
-__all__ = ["measure_flops", "host_flops", "record_link", "measured_links"]
+__all__ = ["measure_flops", "host_flops", "record_link", "measured_links", "cluster_workers"]
 
 _lock = threading.Lock()
 _measured: dict[str, float] = {}
@@ -53,3 +55,16 @@ def measured_links() -> dict[str, tuple[float, float]]:
     """The links this process measured: device -> (bytes/s, round trip seconds)."""
     with _lock:
         return dict(_links)
+
+
+def cluster_workers(ps_jobs=("ps",)) -> int:
+    """How many training tasks the cluster in ``TF_CONFIG`` (tf.distribute's environment
+    variable) has: those of jobs other than ``ps_jobs`` and "evaluator". In parameter-server
+    training each of them pulls from every PS task. 0 where TF_CONFIG is unset or holds no
+    cluster."""
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
+        return sum(len(tasks) for job, tasks in cluster.items()
+                   if job not in ps_jobs and job != "evaluator")
+    except (ValueError, AttributeError, TypeError):
+        return 0

@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from tfoverlap.costs.host import host_flops, measured_links
+from tfoverlap.costs.host import cluster_workers, host_flops, measured_links
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
 from tfoverlap.costs.static import static_costs
-from tfoverlap.graph.devices import DeviceMatcher, task_of
+from tfoverlap.graph.devices import DeviceMatcher, parse_device_spec, task_of
 from tfoverlap.graph.frames import ControlFlow, analysed
 from tfoverlap.graph.model import GraphModel, output_dtype, tensor_bytes
 from tfoverlap.planning.emulation import emulated_op_seconds
@@ -345,6 +345,7 @@ class GainEstimate:
     comm_seconds: float
     comp_seconds: float
     figures: str          # where the times came from
+    workers: int = 1      # workers sharing each PS task's link
 
     @property
     def gain(self) -> float:
@@ -352,8 +353,10 @@ class GainEstimate:
         return min(self.comm_seconds, self.comp_seconds) / longer if longer > 0 else 0.0
 
     def describe(self) -> str:
+        shared = (f" ({self.workers} workers sharing each PS link)" if self.workers > 1
+                  else "")
         return (f"transfers to {self.destination or 'the worker'} take about "
-                f"{self.comm_seconds * 1e3:.3g} ms and its computation about "
+                f"{self.comm_seconds * 1e3:.3g} ms{shared} and its computation about "
                 f"{self.comp_seconds * 1e3:.3g} ms per step ({self.figures}): ordering can "
                 f"gain at most {self.gain:.1%}")
 
@@ -363,9 +366,10 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
 
     Transfer times are bytes (the profile's where it has them) over the link's bandwidth;
     compute times come from the profile, else from static FLOP estimates at ``options.flops``
-    (this host's measured rate when 0); the link is the plan's. The estimate assumes one
-    worker per PS link: with several sharing a link, ``bandwidth`` should be the share of
-    one.
+    (this host's measured rate when 0); the link is the plan's. With ``workers`` pulling
+    from every PS task (the option, else TF_CONFIG's cluster, else 1), a PS task's link
+    carries each of its tensors that many times per step, so a worker's transfers take the
+    longer of its own bytes over its link and the busiest PS link's bytes over the PS link.
     """
     if not plan.orders:
         return None
@@ -389,16 +393,24 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
     for node, device in enumerate(devices):
         if device in plan.orders:
             comp[device] = comp.get(device, 0.0) + op_seconds.get(model.names[node], 0.0)
+    ps_jobs = {parse_device_spec(spec).get("job") for spec in options.ps_devices.split(",")
+               if spec.strip()} - {None}
+    workers = options.workers or cluster_workers(ps_jobs or {"ps"}) or 1
     best = None
     for destination, order in plan.orders.items():
         # Bytes over the link, not the profile's transfer times: those overlap, and each
         # includes the time it waited for the others.
-        comm = 0.0
+        per_ps_task: dict[str, float] = {}
         for t in order:
             name = model.names[plan.transfers[t].source]
             size = profile.transfer_bytes.get(name) if profile is not None else None
-            comm += (size if size is not None else plan.sizes[t]) / bandwidth
-        estimate = GainEstimate(destination, comm, comp.get(destination, 0.0), figures)
+            task = task_of(devices[plan.transfers[t].source])
+            per_ps_task[task] = per_ps_task.get(task, 0.0) + (
+                size if size is not None else plan.sizes[t])
+        comm = max(sum(per_ps_task.values()), workers * max(per_ps_task.values(), default=0.0)
+                   ) / bandwidth
+        estimate = GainEstimate(destination, comm, comp.get(destination, 0.0), figures,
+                                workers)
         if best is None or estimate.gain > best.gain:
             best = estimate
     return best
