@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tfoverlap
 from tfoverlap.costs.accelerators import DEVICE_MODELS, load_device_model
-from tfoverlap.costs.trace import emulated_kernels, step_timeline
+from tfoverlap.costs.trace import STREAM_WAIT_OP, emulated_kernels, step_timeline
 from tfoverlap.graph.verify import verify_graph_def
 from tfoverlap.integrations.emulated_kernel import load_emulated_ops
 from tfoverlap.rewriters.emulated_ops import EMULATED_OP
@@ -404,6 +404,13 @@ def test_a_profile_of_an_emulated_run_holds_the_kernels_stream_times(tmp_path):
                 if later[1] < earlier[1] + earlier[2]]
     assert not overlaps, overlaps[:3]
     assert measured.op_share_seconds == {}   # kernels on streams: no CPU time to share
+    # The stream waits (where results leave the stream) wait
+    # for the kernels' time and compute nothing: a profile that kept their durations would
+    # count the stream again, many times over (TAC's costs, TicTac's gain estimate).
+    waits = [n.name for n in tfoverlap.optimize(
+        model.graph.as_graph_def(), fetch=[model.fetch.name], schedule="none",
+        emulate="v100", dilation=7)[0].node if n.op == STREAM_WAIT_OP]
+    assert waits and not set(waits) & set(measured.op_seconds)
     new, _ = tfoverlap.optimize(model.graph.as_graph_def(), fetch=[model.fetch.name],
                                 schedule="none", emulate="v100", dilation=7)
     durations = {n.name: n.attr["duration_us"].f * 1e-6 for n in new.node

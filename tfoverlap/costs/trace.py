@@ -128,11 +128,17 @@ def _op_stats(run_metadata, devices: str):
                     yield node
 
 
+def _waits_for_a_stream(node) -> bool:
+    """An emulation's stream wait: it takes the time the stream's kernels take, computing
+    nothing (their own times are the kernels')."""
+    return node.timeline_label.startswith(f"{node.node_name} = {STREAM_WAIT_OP}")
+
+
 def op_durations(run_metadata, devices: str = "") -> dict[str, int]:
     """Compute time (op start to op end, microseconds) per node on devices matching the
-    spec ``devices`` (all devices if empty)."""
+    spec ``devices`` (all devices if empty); an emulation's stream waits are left out."""
     return {node.node_name: max(0, node.op_end_rel_micros - node.op_start_rel_micros)
-            for node in _op_stats(run_metadata, devices)}
+            for node in _op_stats(run_metadata, devices) if not _waits_for_a_stream(node)}
 
 
 def op_wall_shares(run_metadata, devices: str = "") -> dict[str, float]:
@@ -142,7 +148,7 @@ def op_wall_shares(run_metadata, devices: str = "") -> dict[str, float]:
     own durations would count twice what ops that ran together (on shared cores) took."""
     events = []
     for node in _op_stats(run_metadata, devices):
-        if node.op_end_rel_micros > node.op_start_rel_micros:
+        if node.op_end_rel_micros > node.op_start_rel_micros and not _waits_for_a_stream(node):
             events.append((node.all_start_micros + node.op_start_rel_micros, 1, node.node_name))
             events.append((node.all_start_micros + node.op_end_rel_micros, -1, node.node_name))
     events.sort(key=lambda event: (event[0], event[1]))
@@ -217,8 +223,8 @@ def step_timeline(run_metadata, devices: str = "", origin: int | None = None) ->
         if node.node_name in stream:
             compute.append([node.node_name, *stream[node.node_name]])
             continue
-        if node.timeline_label.startswith(f"{node.node_name} = {STREAM_WAIT_OP}"):
-            continue     # waiting for the stream, not computing
+        if _waits_for_a_stream(node):
+            continue
         duration = node.op_end_rel_micros - node.op_start_rel_micros
         if duration > 0:
             compute.append([node.node_name, node.all_start_micros + node.op_start_rel_micros,
