@@ -40,6 +40,10 @@ __all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH",
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
 VARIANTS = {
     "default": {},
+    # The default again, in its own session: how far two identical variants measure apart
+    # in one run (the run's noise floor, which the bootstrap intervals of its steps, blocks
+    # of steps that ran together, understate).
+    "default_again": {},
     "tf_recv_scheduling": {"recv_scheduling": True},
     "tic": {"tfoverlap": {"schedule": "tic"}},
     "tac": {"tfoverlap": {"schedule": "tac"}},  # the profile path is added per worker
