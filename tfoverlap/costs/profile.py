@@ -7,9 +7,9 @@ profile on emulated kernels (``emulate=PROFILE``) needs each op's expected time,
 busy host an op's time is skewed to the right (preemptions), so the sum of medians falls
 short of the step the ops made. And each op's share of the step's compute time
 (``op_share_seconds``: every moment that k ops ran split among them) is what a replay takes:
-ops that ran together on shared cores stretched each other, and replaying their own
-durations side by side would not take the cores they took, nor one after another count
-their overlap once.
+ops that ran together on shared cores stretched each other, so their own durations,
+replayed one at a time, count that overlap twice, and replayed side by side, take cores the
+host did not have.
 """
 from __future__ import annotations
 
