@@ -49,6 +49,9 @@ def test_small_benchmark_end_to_end(tmp_path):
     assert set(written[1]) >= {"model", "mode", "workers", "link", "variant", "iteration_s",
                                "speedup", "ci_low", "ci_high"}
     assert written[1]["link"] == "1Gbit" and written[1]["workers"] == 2
+    # One round: its ratio is the speed-up itself.
+    assert written[1]["round_low"] == written[1]["round_high"] == pytest.approx(
+        written[1]["speedup"])
     report.write_csv(rows, str(tmp_path / "results.csv"))
     report.plot_speedups(rows, str(tmp_path / "speedups.png"))
     report.plot_timelines({"default": result["traces"]["default"][0][0],

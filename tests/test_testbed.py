@@ -33,6 +33,16 @@ def test_spread_and_speedup():
         metrics.speedup([1.0], [0.0])
 
 
+def test_round_ratios_pair_each_round_of_the_variant_with_the_baselines():
+    # Round 2 ran slow for both: the ratio of its round is still 2.
+    baseline = [2.0, 2.0, 4.0, 4.0]
+    variant = [1.0, 1.0, 2.0, 2.0]
+    assert metrics.round_ratios(baseline, variant, rounds=2) == [2.0, 2.0]
+    assert metrics.round_ratios([2.0, 3.0], [2.0, 1.0], rounds=2) == [1.0, 3.0]
+    with pytest.raises(ValueError, match="2 equal rounds"):
+        metrics.round_ratios([1.0, 1.0, 1.0], [1.0, 1.0], rounds=2)
+
+
 def test_efficiency_bounds():
     assert metrics.efficiency(3.0, comm=1.0, comp=2.0) == 0.0   # no overlap at all
     assert metrics.efficiency(2.0, comm=1.0, comp=2.0) == 1.0   # full overlap

@@ -3,7 +3,10 @@
 Definitions, as reported in ``docs/benchmarks.md``:
 
 - iteration time: median of the per-step wall times of all workers; spread: p10-p90.
-- speed-up over a baseline: ratio of medians, with a 95% bootstrap confidence interval.
+- speed-up over a baseline: ratio of medians, with a 95% bootstrap confidence interval
+  (over single steps), and the range of the ratios of the rounds (each round's steps of
+  the variant against the baseline's of the same round: what a round's shared state, the
+  network and the host, does to a ratio, which the steps' interval does not see).
 - scheduling efficiency (TicTac): ``E = (U_max - U) / (U_max - U_min)`` with
   ``U_max = comm + comp`` (no overlap) and ``U_min = max(comm, comp)`` (full overlap).
 - straggler effect: per block of steps run together, the slowest worker's mean step time
@@ -19,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Spread", "spread", "speedup", "efficiency", "straggler_effect",
+__all__ = ["Spread", "spread", "speedup", "round_ratios", "efficiency", "straggler_effect",
            "order_consistency"]
 
 
@@ -59,6 +62,19 @@ def speedup(baseline: Sequence[float], variant: Sequence[float], resamples: int 
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(ratios, [tail, 100 - tail])
     return float(np.median(base) / np.median(other)), float(low), float(high)
+
+
+def round_ratios(baseline: Sequence[float], variant: Sequence[float],
+                 rounds: int) -> list[float]:
+    """``median(baseline) / median(variant)`` of each round: both samples hold ``rounds``
+    equal runs of steps, in round order (the steps of one round ran back to back, the
+    variants interleaved)."""
+    base, other = np.asarray(baseline, float), np.asarray(variant, float)
+    if rounds < 1 or base.size % rounds or other.size % rounds or not base.size:
+        raise ValueError(f"round ratios need samples of {rounds} equal rounds, got "
+                         f"{base.size} and {other.size} steps")
+    return [float(np.median(b) / np.median(o))
+            for b, o in zip(base.reshape(rounds, -1), other.reshape(rounds, -1))]
 
 
 def efficiency(iteration: float, comm: float, comp: float) -> float:

@@ -272,6 +272,7 @@ def summarize(result: dict) -> list[dict]:
         iteration = metrics.spread(values)
         cpu = result.get("cpu", {}).get(name)
         ratio, low, high = metrics.speedup(baseline, values)
+        by_round = metrics.round_ratios(baseline, values, len(result["blocks"][name]))
         per_worker = [metrics.order_consistency([traced[w]["order"]
                                                  for traced in result["traces"][name]])
                       for w in range(config["num_workers"])]
@@ -285,6 +286,7 @@ def summarize(result: dict) -> list[dict]:
             "steps": iteration.count,
             "samples_per_s": config["batch"] * config["num_workers"] / iteration.median,
             "speedup": ratio, "ci_low": low, "ci_high": high,
+            "round_low": min(by_round), "round_high": max(by_round),
             "comm_s": comm, "comp_s": comp, "comm_over_comp": comm / comp,
             "efficiency": metrics.efficiency(iteration.median, comm, comp),
             "straggler": metrics.straggler_effect(result["blocks"][name]),

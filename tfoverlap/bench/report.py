@@ -32,7 +32,7 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 RESULT_EXTRA = ("batch", "ps", "comm_over_comp", "transfer_span_s", "declined", "emulated",
                 "dilation", "host_busy", "worker_cpu_share", "breakdown", "predicted_s",
-                "prediction_error", "command", "date")
+                "prediction_error", "round_low", "round_high", "command", "date")
 _ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps")   # PS rows: per PS count
 
 
@@ -70,11 +70,13 @@ def _number(value, digits: int = 2) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """One line per configuration and variant; the default's line carries comm/comp."""
     lines = ["| model | mode | batch | link | variant | iteration s (p10-p90) | samples/s | "
-             "speed-up (95% CI) | comm/comp | E | straggler | orders |",
+             "speed-up (95% CI; range over rounds) | comm/comp | E | straggler | orders |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        speedup = (f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f})"
-                   if row["variant"] != "default" else "1.00x")
+        rounds = (f"; rounds {row['round_low']:.2f}-{row['round_high']:.2f}"
+                  if "round_low" in row else "")
+        speedup = (f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f}"
+                   f"{rounds})" if row["variant"] != "default" else "1.00x")
         lines.append(
             f"| {row['model']} | {row['mode']} | {row['batch']} | {row['link']} "
             f"| {row['variant']} | {row['median_s']:.3f} ({row['p10_s']:.3f}-{row['p90_s']:.3f}) "
