@@ -198,6 +198,16 @@ def test_horovod_rows_carry_the_step_caramel_predicted_for_each_variant(tmp_path
     report.write_result_rows(list(rows.values()), path)
     written = {row["variant"]: row for row in json.loads(open(path).read())}
     assert written["caramel_forced"]["predicted_s"] == pytest.approx(0.25)
+    # A run without comm_only and compute_only (too large to hold their graphs too): the
+    # ratios still come, comm/comp is unknown, and the file says null (standard JSON).
+    for name in ("compute_only", "comm_only"):
+        del times[name]
+    rows = {row["variant"]: row for row in allreduce.summarize(result)}
+    assert rows["caramel_forced"]["speedup"] == pytest.approx(0.4 / 0.3)
+    assert math.isnan(rows["horovod"]["comm_over_comp"])
+    report.write_result_rows(list(rows.values()), path)
+    text = open(path).read()
+    assert "NaN" not in text and json.loads(text)[0]["comm_over_comp"] is None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (namespaces, tc)")

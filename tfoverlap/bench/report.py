@@ -50,6 +50,9 @@ def write_result_rows(rows: list[dict], path: str, merge: bool = False,
         record = {key: row["median_s"] if key == "iteration_s" else row[key]
                   for key in RESULT_FIELDS}
         record.update({key: row[key] for key in RESULT_EXTRA if key in row})
+        # Unknown numbers (NaN) are null: the files stay standard JSON.
+        record = {key: None if isinstance(value, float) and math.isnan(value) else value
+                  for key, value in record.items()}
         records.append(record)
     if merge and os.path.exists(path):
         with open(path) as stream:
