@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-__all__ = ["measure_flops", "host_flops", "record_link", "measured_links", "cluster_workers"]
+__all__ = ["measure_flops", "host_flops", "record_link", "measured_links", "record_link_failure",
+           "link_failures", "cluster_workers"]
 
 _lock = threading.Lock()
 _measured: dict[str, float] = {}
@@ -55,6 +56,23 @@ def measured_links() -> dict[str, tuple[float, float]]:
     """The links this process measured: device -> (bytes/s, round trip seconds)."""
     with _lock:
         return dict(_links)
+
+
+#: PS task device -> why its link could not be measured (a probe failed, ran out of time or
+#: gave a figure no link can have); such a link is not probed again by this process.
+_link_failures: dict[str, str] = {}
+
+
+def record_link_failure(device: str, reason: str) -> None:
+    """Remembers that the link to a PS task could not be measured, and why."""
+    with _lock:
+        _link_failures[device] = reason
+
+
+def link_failures() -> dict[str, str]:
+    """The links this process could not measure: device -> why."""
+    with _lock:
+        return dict(_link_failures)
 
 
 def cluster_workers(ps_jobs=("ps",)) -> int:

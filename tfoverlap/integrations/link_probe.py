@@ -4,9 +4,16 @@ TicTac's gain estimate and its credit need the link's bandwidth and round trip, 
 Grappler optimizer cannot measure them: it sees device names, not addresses, and runs
 inside session creation. A TF1 session created with a ``grpc://`` target and a config
 that switches TfOverlap on (and leaves ``bandwidth`` unset) is the moment to measure:
-before it runs anything, a separate probe session on the same target times a tiny and an
-8 MB fetch from every PS task its graph uses. The round trip is the tiny fetch; the
-bandwidth is the extra bytes over the extra time. The results go to
+before it runs anything, a separate probe session on the same target times a tiny and a
+large fetch from every PS task its graph uses, and the same work done on the worker alone
+(so that creating and summing the tensor does not count as transfer time). The round trip
+is the tiny fetch; the bandwidth is the extra bytes over the extra time.
+
+The probe never makes a session start wait for what plain TensorFlow would not wait for:
+its session keeps the program's config (device filters, cluster, timeouts), waits only for
+the tasks it measures, and gets :data:`PROBE_SECONDS` in all. A probe that fails, runs out
+of time or measures a figure no link can have is remembered for the process (one warning),
+and TicTac plans with the assumed link, saying so in its report. The results go to
 :mod:`tfoverlap.costs.host`, where the pass finds them. Nothing of the user's graph or
 variables is touched; the probe creates its tensors on the PS and frees them.
 """
@@ -17,54 +24,145 @@ import statistics
 import threading
 import time
 
-from tfoverlap.costs.host import measured_links, record_link
+from tfoverlap.costs.host import link_failures, measured_links, record_link, record_link_failure
 from tfoverlap.graph.devices import DeviceMatcher
 from tfoverlap.integrations.grappler import OPTIMIZER_NAME
-from tfoverlap.log import logger, warn_once
+from tfoverlap.log import logger
 from tfoverlap.options import parse_options
 
-__all__ = ["measure_ps_link", "install_session_hook", "PROBE_BYTES"]
+__all__ = ["measure_ps_links", "link_from_timings", "install_session_hook", "ImplausibleLink",
+           "PROBE_BYTES", "PROBE_SECONDS", "MAX_PLAUSIBLE_BANDWIDTH"]
 
+#: the largest fetch; the probe sizes it down to about PROBE_TRANSFER_SECONDS of the link.
 PROBE_BYTES = 8 * 2 ** 20
+PROBE_TRANSFER_SECONDS = 0.05
+#: the most a session start waits for the probe, all its PS tasks together.
+PROBE_SECONDS = 5.0
+#: 400 Gbit/s, faster than any NIC a PS job runs on: a figure above it is noise.
+MAX_PLAUSIBLE_BANDWIDTH = 50e9
+
 _install_lock = threading.Lock()
 _installed = False
 _measuring = threading.local()
+_warned = threading.Event()
 
 
-def measure_ps_link(target: str, ps_device: str, worker_device: str = "",
-                    probe_bytes: int = PROBE_BYTES, repeats: int = 3,
-                    timeout_ms: int = 30_000) -> tuple[float, float]:
-    """(bytes/s, round trip seconds) of fetching from ``ps_device`` to ``worker_device``
-    (the session's own device where empty) through ``target``."""
+class ImplausibleLink(ValueError):
+    """The probe's timings give a figure that no link can have."""
+
+
+def link_from_timings(fetch_bytes: int, tiny_s: float, large_s: float,
+                      local_tiny_s: float = 0.0, local_large_s: float = 0.0
+                      ) -> tuple[float, float]:
+    """(bytes/s, round trip s) from median fetch times: a tiny and a ``fetch_bytes`` one
+    from the PS, and the same two made on the worker alone (the work that is not transfer).
+    ImplausibleLink where the transfer takes no time or the rate exceeds any real link."""
+    transfer_s = (large_s - tiny_s) - max(local_large_s - local_tiny_s, 0.0)
+    if transfer_s <= 0:
+        raise ImplausibleLink(
+            f"the {fetch_bytes / 2 ** 20:.3g} MiB fetch took no longer than the tiny one "
+            f"once the worker's own work is taken off ({large_s * 1e3:.3g} ms against "
+            f"{tiny_s * 1e3:.3g} ms)")
+    bandwidth = fetch_bytes / transfer_s
+    if bandwidth > MAX_PLAUSIBLE_BANDWIDTH:
+        raise ImplausibleLink(f"it measured {bandwidth * 8 / 1e9:.3g} Gbit/s, more than "
+                              f"{MAX_PLAUSIBLE_BANDWIDTH * 8 / 1e9:.3g} Gbit/s")
+    return bandwidth, tiny_s
+
+
+def _probe_config(config, ps_tasks: list[str], worker_device: str):
+    """The program's config for the probe's session: its device filters, cluster and
+    timeouts stay; Grappler is off. Without filters of its own, the probe waits only for
+    the tasks it measures and its worker."""
     import tensorflow as tf
+    probe = tf.compat.v1.ConfigProto()
+    if config is not None:
+        probe.CopyFrom(config)
+    probe.graph_options.rewrite_options.ClearField("custom_optimizers")
+    probe.graph_options.rewrite_options.disable_meta_optimizer = True
+    worker_task = _task_of(worker_device)
+    if not probe.device_filters and worker_task:
+        probe.device_filters.extend(ps_tasks + [worker_task])
+    return probe
+
+
+def _task_of(device: str) -> str:
+    """"/job:ps/replica:0/task:1" of a device name; "" where it names no job."""
+    from tensorflow.python.framework import device as tf_device
+    parsed = tf_device.DeviceSpec.from_string(device or "")
+    if not parsed.job:
+        return ""
+    return f"/job:{parsed.job}/replica:{parsed.replica or 0}/task:{parsed.task or 0}"
+
+
+def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", config=None,
+                     deadline: float | None = None, probe_bytes: int = PROBE_BYTES,
+                     repeats: int = 3, on_result=None) -> dict:
+    """Measures the link from each of ``ps_tasks`` to ``worker_device`` (the session's own
+    device where empty) through ``target``, in one probe session with ``config``'s
+    settings (:func:`_probe_config`). Returns task -> (bytes/s, round trip s), or task ->
+    why not (a string); calls ``on_result(task, result)`` as each is known. Runs stop at
+    ``deadline`` (time.monotonic())."""
+    import numpy as np
+    import tensorflow as tf
+    deadline = time.monotonic() + PROBE_SECONDS if deadline is None else deadline
     graph = tf.Graph()
     with graph.as_default():
         one = tf.compat.v1.placeholder_with_default(1.0, [])   # keeps Fill from folding
-        with tf.device(ps_device):
-            tiny = tf.fill([1], one)
-            large = tf.fill([probe_bytes // 4], one)
-        with tf.device(worker_device or None):
-            tiny_sum, large_sum = tf.reduce_sum(tiny), tf.reduce_sum(large)
-    config = tf.compat.v1.ConfigProto()
-    config.graph_options.rewrite_options.disable_meta_optimizer = True
-    options = tf.compat.v1.RunOptions(timeout_in_ms=timeout_ms)
+        size = tf.compat.v1.placeholder_with_default(np.int32(1), [])
+        fetches = {}
+        for task in ps_tasks + [worker_device or None]:
+            with tf.device(task):
+                values = tf.fill([size], one)
+            with tf.device(worker_device or None):
+                fetches[task] = tf.reduce_sum(values)
+    results = {}
+
+    def timed(session, fetch, count, runs=repeats):
+        times = []
+        for _ in range(runs + 1):                    # the first is a warm-up
+            remaining_ms = int((deadline - time.monotonic()) * 1e3)
+            if remaining_ms <= 0:
+                raise TimeoutError("out of time")
+            options = tf.compat.v1.RunOptions(timeout_in_ms=remaining_ms)
+            began = time.perf_counter()
+            session.run(fetch, feed_dict={size: count}, options=options)
+            times.append(time.perf_counter() - began)
+        return statistics.median(times[1:])
+
     _measuring.active = True
     try:
-        with tf.compat.v1.Session(target, graph=graph, config=config) as session:
-            def timed(fetch):
-                session.run(fetch, options=options)      # warm-up
-                times = []
-                for _ in range(repeats):
-                    began = time.perf_counter()
-                    session.run(fetch, options=options)
-                    times.append(time.perf_counter() - began)
-                return statistics.median(times)
-            round_trip = timed(tiny_sum)
-            large_time = timed(large_sum)
+        with tf.compat.v1.Session(target, graph=graph,
+                                  config=_probe_config(config, ps_tasks, worker_device)) as s:
+            local = fetches[worker_device or None]
+            local_tiny = timed(s, local, 1)
+            for task in ps_tasks:
+                try:
+                    tiny = timed(s, fetches[task], 1)
+                    # a 1 MiB fetch sizes the large one to about PROBE_TRANSFER_SECONDS
+                    rough = timed(s, fetches[task], 2 ** 18, runs=1)
+                    rough_rate = 2 ** 20 / max(rough - tiny, 1e-6)
+                    count = int(min(max(rough_rate * PROBE_TRANSFER_SECONDS, 2 ** 20),
+                                    probe_bytes)) // 4
+                    large = timed(s, fetches[task], count)
+                    local_large = timed(s, local, count)
+                    result = link_from_timings(count * 4, tiny, large, local_tiny, local_large)
+                except ImplausibleLink as error:
+                    result = f"rejected: {error}"
+                except TimeoutError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - reported per task
+                    result = f"failed: {type(error).__name__}: {_first_line(error)}"
+                results[task] = result
+                if on_result is not None:
+                    on_result(task, result)
     finally:
         _measuring.active = False
-    bandwidth = probe_bytes / max(large_time - round_trip, 1e-6)
-    return bandwidth, round_trip
+    return results
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 def _wants_measurement(config) -> list[str] | None:
@@ -92,21 +190,25 @@ def _placement(graph, specs: list[str]) -> tuple[list[str], str]:
     on; the device most of its other placed ops are on, "" if none)."""
     import collections
 
-    from tensorflow.python.framework import device as tf_device
     matchers = [DeviceMatcher(spec) for spec in specs]
     tasks, others = set(), collections.Counter()
     for op in graph.get_operations():
         if not op.device:
             continue
-        if any(matches(op.device) for matches in matchers):
-            parsed = tf_device.DeviceSpec.from_string(op.device)
-            tasks.add(f"/job:{parsed.job}/replica:{parsed.replica or 0}/task:{parsed.task or 0}")
+        if any(matches(op.device) for matches in matchers) and _task_of(op.device):
+            tasks.add(_task_of(op.device))
         else:
             others[op.device] += 1
     return sorted(tasks), (others.most_common(1)[0][0] if others else "")
 
 
-def _measure_for_session(target, graph, config) -> None:
+def _link_device(task: str) -> str:
+    return f"{task}/device:CPU:0"
+
+
+def _measure_for_session(target, graph, config, seconds: float = PROBE_SECONDS) -> None:
+    """Measures the links of a session about to start, at most ``seconds``; every outcome
+    is recorded in :mod:`tfoverlap.costs.host`, so no task is probed twice."""
     if getattr(_measuring, "active", False) or not isinstance(target, str):
         return
     if not target.startswith("grpc://"):
@@ -116,20 +218,57 @@ def _measure_for_session(target, graph, config) -> None:
         return
     import tensorflow as tf
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
-    known = measured_links()
     tasks, worker_device = _placement(graph, specs)
-    for task in tasks:
-        if any(device.startswith(task) for device in known):
-            continue
+    known = list(measured_links()) + list(link_failures())
+    tasks = [task for task in tasks if not any(device.startswith(task) for device in known)]
+    if not tasks:
+        return
+    outcomes: dict = {}
+    lock = threading.Lock()
+    abandoned = threading.Event()
+
+    def keep(task, result):
+        with lock:
+            if not abandoned.is_set():
+                outcomes[task] = result
+
+    def probe():
         try:
-            bandwidth, round_trip = measure_ps_link(target, task, worker_device)
+            measure_ps_links(target, tasks, worker_device, config,
+                             deadline=time.monotonic() + seconds, on_result=keep)
+        except TimeoutError:
+            pass
         except Exception as error:  # noqa: BLE001 - measuring must never stop a session
-            warn_once(f"tfoverlap: could not measure the link to {task} ({type(error).__name__}:"
-                      f" {error}); TicTac assumes 1 Gbit/s (set the bandwidth option)")
-            continue
-        record_link(f"{task}/device:CPU:0", bandwidth, round_trip)
-        logger.info("tfoverlap: measured the link to %s: %.3g Gbit/s, round trip %.3g ms",
-                    task, bandwidth * 8 / 1e9, round_trip * 1e3)
+            for task in tasks:
+                keep(task, f"failed: {type(error).__name__}: {_first_line(error)}")
+
+    # A thread, because creating the probe's session can wait for a task without a deadline.
+    thread = threading.Thread(target=probe, name="tfoverlap-link-probe", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    with lock:
+        abandoned.set()
+        found = dict(outcomes)
+    for task in tasks:
+        result = found.get(task, f"timed out: no answer within {seconds:g} s")
+        if isinstance(result, tuple):
+            bandwidth, round_trip = result
+            record_link(_link_device(task), bandwidth, round_trip)
+            logger.info("tfoverlap: measured the link to %s: %.3g Gbit/s, round trip %.3g ms",
+                        task, bandwidth * 8 / 1e9, round_trip * 1e3)
+        else:
+            record_link_failure(_link_device(task), f"probe {result}")
+            _warn_failure(task, result)
+
+
+def _warn_failure(task: str, reason: str) -> None:
+    message = (f"tfoverlap: could not measure the link to {task} ({reason}); TicTac assumes "
+               "1 Gbit/s (give the bandwidth option to skip the probe)")
+    if _warned.is_set():
+        logger.info(message)
+        return
+    _warned.set()
+    logger.warning(message + "; later probe failures of this process are INFO lines")
 
 
 def install_session_hook() -> None:

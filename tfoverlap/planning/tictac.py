@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from tfoverlap.costs.host import cluster_workers, host_flops, measured_links
+from tfoverlap.costs.host import cluster_workers, host_flops, link_failures, measured_links
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
 from tfoverlap.costs.static import static_costs
@@ -147,15 +147,18 @@ class TransferPlan:
 def link_figures(options: Options, ps_devices: set[str]) -> tuple[float, float, str]:
     """(bytes/s, round trip s, where from) of the link to the PS tasks in ``ps_devices``:
     the bandwidth option if given; else the slowest link this process measured to one of
-    them; else 1 Gbit/s, assumed."""
+    them; else 1 Gbit/s, assumed (with why the probe could not measure it, where it tried)."""
     if options.bandwidth:
         return options.bandwidth, options.round_trip, "given"
-    measured = [figures for device, figures in measured_links().items()
-                if any(DeviceMatcher(spec)(device) for spec in ps_devices if spec)]
+    def ours(device):
+        return any(DeviceMatcher(spec)(device) for spec in ps_devices if spec)
+    measured = [figures for device, figures in measured_links().items() if ours(device)]
     if measured:
         bandwidth = min(b for b, _ in measured)
         return bandwidth, max(r for _, r in measured), "measured"
-    return DEFAULT_BANDWIDTH, options.round_trip, "assumed"
+    failures = [reason for device, reason in sorted(link_failures().items()) if ours(device)]
+    return (DEFAULT_BANDWIDTH, options.round_trip,
+            "assumed" + (f"; {failures[0]}" if failures else ""))
 
 
 def credit_bytes(options: Options, ordered_bytes: float, bandwidth: float,

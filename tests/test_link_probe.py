@@ -1,0 +1,109 @@
+"""The PS link probe that runs when a TfOverlap session starts: it never makes a session
+wait for what plain TensorFlow would not, it remembers what it could not measure, and it
+rejects figures that no link can have."""
+import textwrap
+import time
+
+import pytest
+import tensorflow as tf
+
+import tfoverlap
+from tfoverlap.costs.host import link_failures, measured_links
+from tfoverlap.integrations import link_probe
+from tfoverlap.options import parse_options
+from tfoverlap.planning.tictac import link_figures
+from tfoverlap.testbed.cluster import LocalCluster
+from tfoverlap.testbed.models import chain_model
+
+from helpers import run_python
+
+
+def test_equal_times_are_rejected_not_taken_as_terabytes_per_second():
+    with pytest.raises(link_probe.ImplausibleLink, match="no longer than the tiny one"):
+        link_probe.link_from_timings(8 * 2 ** 20, tiny_s=0.002, large_s=0.002)
+    with pytest.raises(link_probe.ImplausibleLink, match="Gbit/s, more than"):
+        link_probe.link_from_timings(8 * 2 ** 20, tiny_s=0.002, large_s=0.00201)
+
+
+def test_the_probes_own_work_is_not_counted_as_transfer_time():
+    # 8 MiB: 10 ms more than the tiny fetch, of which 4 ms the same work took on the worker
+    bandwidth, round_trip = link_probe.link_from_timings(
+        8 * 2 ** 20, tiny_s=0.001, large_s=0.011, local_tiny_s=0.0005, local_large_s=0.0045)
+    assert bandwidth == pytest.approx(8 * 2 ** 20 / 0.006)
+    assert round_trip == 0.001
+    # all of the extra time was the work: nothing left for the link
+    with pytest.raises(link_probe.ImplausibleLink):
+        link_probe.link_from_timings(8 * 2 ** 20, 0.001, 0.005, 0.0005, 0.0047)
+
+
+def test_a_probe_that_cannot_measure_is_remembered_and_the_plan_says_why():
+    """A graph on a PS task that never started: the probe gives up within its time, the
+    next session start does not probe again, and TicTac's link line says why it assumed."""
+    with LocalCluster(num_ps=1, num_workers=1) as cluster:
+        cluster.spec["ps"].append(f"127.0.0.1:{_unused_port()}")    # ps task 1: never up
+        cluster.start_worker_in_process(0)
+        graph = tf.Graph()
+        with graph.as_default():
+            with tf.device("/job:ps/task:1"):
+                value = tf.Variable(1.0)
+            with tf.device("/job:worker/task:0"):
+                tf.identity(value)
+        config = tfoverlap.session_config(schedule="tic")
+        began = time.monotonic()
+        link_probe._measure_for_session(cluster.target(), graph, config, seconds=2.0)
+        assert time.monotonic() - began < 2.0 + 1.0
+        dead = "/job:ps/replica:0/task:1/device:CPU:0"
+        assert link_failures()[dead].startswith("probe timed out")
+        assert dead not in measured_links()
+        began = time.monotonic()
+        link_probe._measure_for_session(cluster.target(), graph, config, seconds=2.0)
+        assert time.monotonic() - began < 0.5
+    bandwidth, _, source = link_figures(parse_options({"ps_devices": "/job:ps/task:1"}),
+                                        {"/job:ps/task:1"})
+    assert source.startswith("assumed; probe timed out")
+
+
+def _unused_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+_FILTERED_WORKER = textwrap.dedent("""
+    import json, sys, time
+    import tensorflow as tf
+    import tfoverlap
+    from tfoverlap.testbed.models import chain_model
+    spec, variant = json.loads(sys.argv[1]), sys.argv[2]
+    config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker",
+                                  task_index=0, config=config, start=True)
+    if variant == "tfoverlap":
+        config = tfoverlap.session_config(config, schedule="tic")
+    model = chain_model(4, width=64, batch=8)
+    began = time.monotonic()
+    with tf.compat.v1.Session(server.target, graph=model.graph, config=config) as session:
+        session.run(model.init)
+        for _ in range(3):
+            session.run(model.fetch)
+    print("seconds", time.monotonic() - began)
+""")
+
+
+def test_a_worker_that_filters_its_devices_starts_while_another_worker_is_down(tmp_path):
+    """1 PS, 2 workers, worker 1 never started; worker 0 filters its devices (TensorFlow's
+    advice for PS jobs). Plain TensorFlow trains; with TfOverlap it trains too, within a
+    few seconds of plain TensorFlow's time."""
+    import json
+    import subprocess
+    import sys
+    with LocalCluster(num_ps=1, num_workers=2) as cluster:
+        seconds = {}
+        for variant in ("plain", "tfoverlap"):
+            result = subprocess.run(
+                [sys.executable, "-c", _FILTERED_WORKER, json.dumps(cluster.spec), variant],
+                capture_output=True, text=True, timeout=90)
+            assert result.returncode == 0, result.stderr[-2000:]
+            seconds[variant] = float(result.stdout.split("seconds")[-1])
+    assert seconds["tfoverlap"] < seconds["plain"] + link_probe.PROBE_SECONDS, seconds
