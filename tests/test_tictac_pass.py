@@ -116,16 +116,27 @@ def test_replanning_replaces_earlier_edges():
         deterministic=True)
 
 
-def test_graph_without_transfers_is_unchanged_with_an_info_line(caplog):
+@pytest.mark.parametrize("options, lines", [
+    ({}, 1),
+    ({"schedule": "tic", "allreduce": "caramel"}, 1),
+    # Caramel alone: a Horovod job, where TicTac runs only as the default schedule.
+    ({"allreduce": "caramel"}, 0),
+])
+def test_graphs_without_transfers_are_unchanged_with_one_info_line_per_process(
+        options, lines, caplog, monkeypatch):
     graph = tf.Graph()
     with graph.as_default():
         tf.reduce_sum(tf.ones([2, 2]))
     graph_def = graph.as_graph_def()
+    monkeypatch.setattr("tfoverlap.log._said", set())      # said before by another test
     caplog.set_level(logging.INFO, logger="tfoverlap")
-    new, report = tfoverlap.optimize(graph_def)
-    assert new is graph_def and not report.modified
+    for _ in range(2):                                     # Grappler sees graphs often
+        new, report = tfoverlap.optimize(graph_def, **options)
+        assert new is graph_def and not report.modified
+        assert report.passes[0].name == "tictac"
+        assert report.passes[0].summary["transfers"] == 0
     assert sum("no transfer from a parameter-server device" in r.getMessage()
-               for r in caplog.records) == 1
+               for r in caplog.records) == lines
 
 
 def test_gates_never_wait_for_later_transfers_in_shared_consumers():

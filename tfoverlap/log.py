@@ -1,11 +1,11 @@
-"""tfoverlap's logger, and warnings said once per process however often a graph is seen
+"""tfoverlap's logger, and messages said once per process however often a graph is seen
 (Grappler runs the passes several times per graph, and once per new graph)."""
 from __future__ import annotations
 
 import logging
 import threading
 
-__all__ = ["logger", "warn_once"]
+__all__ = ["logger", "warn_once", "info_once"]
 
 logger = logging.getLogger("tfoverlap")
 _said: set[str] = set()
@@ -13,12 +13,24 @@ _said_lock = threading.Lock()
 _MAX_REMEMBERED = 1024
 
 
-def warn_once(message: str) -> None:
-    """Logs ``message`` as a warning the first time it is seen in this process."""
+def _first_time(message: str) -> bool:
+    """Whether ``message`` is new to this process (it is remembered from now on)."""
     with _said_lock:
         if message in _said:
-            return
+            return False
         if len(_said) >= _MAX_REMEMBERED:
             _said.clear()
         _said.add(message)
-    logger.warning(message)
+    return True
+
+
+def warn_once(message: str) -> None:
+    """Logs ``message`` as a warning the first time it is seen in this process."""
+    if _first_time(message):
+        logger.warning(message)
+
+
+def info_once(message: str) -> None:
+    """Logs ``message`` at INFO level the first time it is seen in this process."""
+    if _first_time(message):
+        logger.info(message)

@@ -104,6 +104,9 @@ class Options:
     emulate_blocking: emulated kernels complete for TensorFlow's executor when they end (a
                  CPU's semantics), instead of at launch with a wait where their results
                  leave the stream (a GPU's, the default).
+
+    given:       not an option: the names of the options that were given (the others
+                 have their defaults), as :func:`parse_options` saw them.
     """
 
     schedule: str = "tic"
@@ -132,9 +135,11 @@ class Options:
     dilation: float = 1.0
     emulate_streams: int = 1
     emulate_blocking: bool = False
+    given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
 
-OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
+OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options)
+                     if field.name != "given")
 
 
 def link_bandwidth(options: Options) -> float:
@@ -298,7 +303,7 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
         elif name in ("strict", "force", "emulate_blocking"):
             value = _as_bool(name, value)
         parsed[name] = value
-    options = Options(**parsed)
+    options = Options(**parsed, given=frozenset(parsed))
     if check_files and options.profile:
         load_profile(options.profile)
     if options.emulate and (check_files or options.emulate.lower() in DEVICE_MODELS

@@ -7,7 +7,7 @@ the transfers dwarf it) the pass leaves the graph as it is and says why, unless 
 """
 from __future__ import annotations
 
-from tfoverlap.log import logger, warn_once
+from tfoverlap.log import info_once, logger, warn_once
 from tfoverlap.passes.base import PassContext, PassResult
 from tfoverlap.planning.tictac import estimate_gain, plan_transfer_order
 from tfoverlap.rewriters.control_edges import add_ordering_edges, strip_ordering_edges
@@ -21,9 +21,12 @@ def tictac_pass(graph_def, context: PassContext) -> PassResult:
     clean, stripped = strip_ordering_edges(graph_def, keep=context.preserved_nodes)
     plan = plan_transfer_order(clean, options)
     if not plan.transfers:
-        logger.info("tfoverlap: graph %s has no transfer from a parameter-server device (%s) "
-                    "outside control flow; nothing to order", context.item_id or "",
-                    options.ps_devices)
+        # A job that asked for Caramel alone is a Horovod job: TicTac runs there only
+        # because it is the default schedule, and no PS is expected.
+        if options.allreduce == "none" or "schedule" in options.given:
+            info_once(f"tfoverlap: a graph has no transfer from a parameter-server device "
+                      f"({options.ps_devices}) outside control flow; nothing to order "
+                      "(said once per process)")
         return _unchanged(graph_def, clean, stripped,
                           {"transfers": 0, **_counted(plan.notes)})
     bandwidth, round_trip, link_source = plan.link
