@@ -297,3 +297,26 @@ def test_a_spinning_thread_is_moved_to_the_idle_class_and_sleeping_ones_are_not(
         stop.set()
         for thread in threads:
             thread.join()
+
+
+def test_emulated_timelines_are_drawn_in_emulated_time_under_the_emulated_link(
+        tmp_path):
+    """Dilation 4: a 10Gbit link shaped to 2.5 Gbit/s and a step of 2,187 ms of host time
+    are drawn as the table gives them, a 10Gbit link and a step of 547 emulated ms."""
+    config = ps.Configuration("resnet50", training=True, batch=64, bandwidth=1.25e9,
+                              num_workers=4, emulate="v100", dilation=None)
+    step = {"seconds": 2.187, "compute": [["conv", 187_000, 2_000_000]],
+            "transfers": [["kernel", 0, 187_000, 1 << 20]]}
+    result = {"dilation": 4.0, "traces": {"default": [[step]], "tic": [[step]]},
+              "network": "5 network namespaces on one bridge, 2.5 Gbit/s tbf per link, "
+                         "both directions"}
+    figure = ps.plot_step_timelines(config, result, str(tmp_path / "timeline.png"))
+    title = figure.get_suptitle()
+    assert "emulated v100, 10Gbit links" in title and "dilation 4" in title
+    panels = figure.get_axes()
+    assert [panel.get_title(loc="left") for panel in panels] == [
+        "default: step 547 ms", "tic: step 547 ms"]
+    assert "dilation 4" in panels[-1].get_xlabel()
+    low, high = panels[-1].get_xlim()
+    assert low <= 0 and 2187 / 4 <= high < 2187 / 4 * 1.1
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000

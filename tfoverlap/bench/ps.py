@@ -35,7 +35,8 @@ from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
 
 __all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH",
-           "DEFAULT_BANDWIDTH", "run_configuration", "link_name", "main"]
+           "DEFAULT_BANDWIDTH", "run_configuration", "plot_step_timelines", "link_name",
+           "main"]
 
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
 VARIANTS = {
@@ -313,6 +314,22 @@ def _transfer_span(traced: list[list[dict]]) -> float:
     return statistics.median(spans) if spans else float("nan")
 
 
+def plot_step_timelines(config: Configuration, result: dict, path: str):
+    """Worker 0's first traced step of the default and of TIC, in the units of the table:
+    an emulated run's in emulated time under its emulated link, with the dilation and the
+    network the host ran on said on the figure. Returns the figure."""
+    from tfoverlap.bench import report
+    steps = {name: result["traces"][name][0][0] for name in ("default", "tic")
+             if name in result["traces"]}
+    title = f"{config.label}, batch {config.batch}, "
+    if config.emulate:
+        title += (f"emulated {config.emulate}, {link_name(config.bandwidth)} links\n"
+                  f"dilation {result['dilation']:g}; the host's network: {result['network']}")
+    else:
+        title += result["network"]
+    return report.plot_timelines(steps, title, path, dilation=result["dilation"])
+
+
 def link_name(bandwidth: float | None) -> str:
     """"2.5Gbit" for a shaped link, "loopback" for an unshaped one."""
     return "loopback" if bandwidth is None else f"{bandwidth * 8 / 1e9:g}Gbit"
@@ -398,11 +415,8 @@ def main(argv=None) -> int:
                                    traces=args.traces, workdir=workdir)
         results.append(result)
         rows.extend(summarize(result))
-        timelines = {name: result["traces"][name][0][0] for name in ("default", "tic")
-                     if name in result["traces"]}
-        report.plot_timelines(timelines, f"{config.label}, batch {config.batch}, "
-                              f"{result['network']}",
-                              os.path.join(args.out, f"timeline-{model}-{config.mode}.png"))
+        plot_step_timelines(config, result,
+                            os.path.join(args.out, f"timeline-{model}-{config.mode}.png"))
         # Written after every configuration, so a long run that is stopped keeps its results.
         report.write_csv(rows, os.path.join(args.out, "results.csv"))
         with open(os.path.join(args.out, "results.json"), "w") as stream:

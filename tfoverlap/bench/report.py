@@ -126,26 +126,35 @@ def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
 
 
 def plot_timelines(traces: dict[str, dict], title: str, path: str,
-                   transfer_label: str = "transfers") -> None:
+                   transfer_label: str = "transfers", dilation: float = 1.0):
     """One step of worker 0 per variant: its transfers (or reductions) and its compute on
-    one time axis."""
+    one time axis; returns the figure (saved to ``path`` and closed).
+
+    ``dilation``: the traces' host times are that many times the emulated ones (an
+    emulated run); they are drawn divided by it, and the axis says so."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     figure, panels = plt.subplots(len(traces), 1, figsize=(10, 1.8 * len(traces) + 0.6),
                                   sharex=True, squeeze=False)
+    ms_per_micro = 1e-3 / dilation
     for panel, (variant, trace) in zip(panels[:, 0], traces.items()):
-        transfers = [(start / 1e3, duration / 1e3) for _, start, duration, _ in
-                     trace["transfers"]]
-        compute = [(start / 1e3, duration / 1e3) for _, start, duration in trace["compute"]]
+        transfers = [(start * ms_per_micro, duration * ms_per_micro)
+                     for _, start, duration, _ in trace["transfers"]]
+        compute = [(start * ms_per_micro, duration * ms_per_micro)
+                   for _, start, duration in trace["compute"]]
         panel.broken_barh(transfers, (10, 8), facecolors="tab:orange")
         panel.broken_barh(compute, (0, 8), facecolors="tab:blue")
         panel.set_yticks([4, 14])
         panel.set_yticklabels(["compute", transfer_label])
-        panel.set_title(f"{variant}: step {trace['seconds'] * 1e3:.0f} ms", fontsize="small",
-                        loc="left")
-    panels[-1, 0].set_xlabel("ms since the step's first event (worker 0)")
+        panel.set_title(f"{variant}: step {trace['seconds'] * 1e3 / dilation:.0f} ms",
+                        fontsize="small", loc="left")
+    panels[-1, 0].set_xlabel(
+        "ms since the step's first event (worker 0)" if dilation == 1 else
+        f"emulated ms since the step's first event (worker 0): host time / dilation "
+        f"{dilation:g}")
     figure.suptitle(title, fontsize="medium")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    return figure
