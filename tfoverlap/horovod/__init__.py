@@ -356,23 +356,24 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                                        process_set)
         if process_set.size() < 2:
             return reduced
+        from tfoverlap.horovod.deferred import deferral_refused, reducing_allreduce
+        allreduces = [reducing_allreduce(r) if isinstance(r, tf.Tensor) else None
+                      for r in reduced]
         # The rewrite re-points the consumers of each reduced tensor: these Identities.
-        allreduces = [r.op if isinstance(r, tf.Tensor) else None for r in reduced]
         reduced = [tf.identity(r) if isinstance(r, tf.Tensor) else r for r in reduced]
         dense = [r for r in reduced if isinstance(r, tf.Tensor)]
         if not dense:
             return reduced
         gradients = [g for g in grads if isinstance(g, tf.Tensor)]
         if _configured_wrapper.get("cross_step"):
-            from tfoverlap.horovod.deferred import deferral_refused
-            refused = (deferral_refused(optimizer, variables) if variables is not None
-                       else "Horovod did not name the variables")
-            if not refused and all(isinstance(r, tf.Tensor) for r in reduced):
+            refused = (deferral_refused(optimizer, variables, reduced, compression)
+                       if variables is not None else "Horovod did not name the variables")
+            if not refused:
                 pending.update(grads=list(grads), variables=list(variables),
                                allreduces=allreduces, gradients=gradients)
                 return reduced
             logger.warning("tfoverlap: cross_step: %s; the step is planned on its own",
-                           refused or "sparse gradients")
+                           refused)
         _schedule_in_place(dense[0].graph, gradients)
         return reduced
 

@@ -18,16 +18,20 @@ holds them and a restored job resumes exactly.
 Only ``GradientDescentOptimizer`` and ``MomentumOptimizer`` with a constant learning rate
 and resource variables are deferred: their update of one variable reads no state shared
 with others, and a zero gradient on zero-initialized slots changes nothing, which makes
-the first step (empty buffers) exact. Anything else keeps the in-step plan, with a warning.
+the first step (empty buffers) exact. Every variable needs a dense gradient, reduced with
+Horovod's none or fp16 compression. Anything else keeps the in-step plan, with a warning.
 """
 from __future__ import annotations
 
+import numbers
 import weakref
+
+import numpy as np
 
 from tfoverlap.log import logger
 
-__all__ = ["deferral_refused", "defer_updates", "flush_op", "deferral_summary",
-           "DEFERRABLE_OPTIMIZERS"]
+__all__ = ["deferral_refused", "reducing_allreduce", "defer_updates", "flush_op",
+           "deferral_summary", "DEFERRABLE_OPTIMIZERS"]
 
 DEFERRABLE_OPTIMIZERS = ("GradientDescentOptimizer", "MomentumOptimizer")
 _APPLY_OPS = frozenset({"ResourceApplyGradientDescent", "ResourceApplyMomentum"})
@@ -35,20 +39,56 @@ _flush_ops = weakref.WeakKeyDictionary()      # graph -> the flush op of its def
 _summaries = weakref.WeakKeyDictionary()      # graph -> what was deferred
 
 
-def deferral_refused(optimizer, variables) -> str:
-    """Why updates of ``optimizer`` cannot be deferred ("" if they can)."""
+def _is_constant_number(value) -> bool:
+    """A real number: a Python or NumPy scalar or a 0-d array (not a bool, a tensor, a
+    callable)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def deferral_refused(optimizer, variables, reduced, compression) -> str:
+    """Why updates of ``optimizer`` to ``variables`` with the ``reduced`` gradients (what
+    Horovod's reduction with ``compression`` returned for each) cannot be deferred ("" if
+    they can)."""
+    import horovod.tensorflow as hvd
     import tensorflow as tf
     name = type(optimizer).__name__
     if name not in DEFERRABLE_OPTIMIZERS:
         return (f"{name}: only {' and '.join(DEFERRABLE_OPTIMIZERS)} update each variable "
                 "from its own gradient and state alone")
-    rate = getattr(optimizer, "_learning_rate", None)
-    if not isinstance(rate, (int, float)) or isinstance(rate, bool):
+    if not _is_constant_number(getattr(optimizer, "_learning_rate", None)):
         return "the learning rate is not a constant number (a schedule would be read a step late)"
     if any(not isinstance(v, tf.Variable) or not hasattr(v, "handle") or
            v.handle.dtype != tf.resource for v in variables):
         return "some variables are not resource variables"
+    if compression not in (hvd.Compression.none, hvd.Compression.fp16):
+        return (f"compression {getattr(compression, '__name__', compression)}: only "
+                "Horovod's none and fp16 are known to reduce a stored gradient exactly")
+    for gradient, variable in zip(reduced, variables):
+        if gradient is None:
+            return (f"{variable.op.name} has no gradient (the loss does not reach it): leave "
+                    "it out of var_list to defer the others")
+        if not isinstance(gradient, tf.Tensor):
+            return (f"the gradient of {variable.op.name} is sparse (IndexedSlices): "
+                    "DistributedOptimizer(..., sparse_as_dense=True) reduces it dense, which "
+                    "can be deferred")
     return ""
+
+
+def reducing_allreduce(reduced):
+    """The HorovodAllreduce op that computed the ``reduced`` tensor (fp16 compression casts
+    its output back)."""
+    return reduced.op.inputs[0].op if reduced.op.type == "Cast" else reduced.op
+
+
+def _mark_deferred(allreduce) -> None:
+    """Keeps ``allreduce`` out of Caramel's in-step plan (it reduces a stored gradient)."""
+    from tensorflow.core.framework import attr_value_pb2
+
+    from tfoverlap.planning.caramel import DEFERRED_ATTR
+    allreduce._set_attr(DEFERRED_ATTR,  # noqa: SLF001 - see live_graph
+                        attr_value_pb2.AttrValue(b=True))
 
 
 def _ancestors(tensors) -> set:
@@ -92,9 +132,6 @@ def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce
     knows (its forward reads could not be made to wait), or where a deferred gradient is
     combined with others after the reduction (a global-norm clip would mix two steps)."""
     import tensorflow as tf
-    from tensorflow.core.framework import attr_value_pb2
-
-    from tfoverlap.planning.caramel import DEFERRED_ATTR
     graph = train.graph
     deferred = [i for chunk in chunks for i in chunk]
     unknown = [variables[i].op.name for i in deferred
@@ -125,9 +162,12 @@ def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce
                 # A chunk is reduced once the one before it is: the first layers first.
                 with tf.control_dependencies(chained):
                     previous = buffer.read_value()
-                allreduce._update_input(0, previous)  # noqa: SLF001 - see live_graph
-                allreduce._set_attr(DEFERRED_ATTR,  # noqa: SLF001 - see live_graph
-                                    attr_value_pb2.AttrValue(b=True))
+                # The stored gradient enters the reduction where the gradient did: at the
+                # AllReduce, or at the Cast before it (fp16 compression).
+                entry = (allreduce if allreduce.inputs[0].dtype == previous.dtype
+                         else allreduce.inputs[0].op)
+                entry._update_input(0, previous)  # noqa: SLF001 - see live_graph
+                _mark_deferred(allreduce)
                 with tf.control_dependencies([previous.op]):
                     stores.append(buffer.assign(grads[index], read_value=False))
                 buffers.append((buffer, variable))
@@ -141,9 +181,12 @@ def defer_updates(train, optimizer, grads, variables, allreduces, chunks, reduce
             chained = reduced_chunk
         with tf.control_dependencies([train]):
             train = tf.group(*stores, name="tfoverlap/deferred/train")
-        flushed = optimizer.apply_gradients(
-            [(reduce_like(buffer.read_value()), variable) for buffer, variable in buffers],
-            name="tfoverlap/deferred/flush_apply")
+        flush_gradients = [(reduce_like(buffer.read_value()), variable)
+                           for buffer, variable in buffers]
+        for reduced, _ in flush_gradients:      # run once after the steps, not in them
+            _mark_deferred(reducing_allreduce(reduced))
+        flushed = optimizer.apply_gradients(flush_gradients,
+                                            name="tfoverlap/deferred/flush_apply")
         with tf.control_dependencies([flushed]):
             _flush_ops[graph] = tf.group(*[buffer.assign(tf.zeros_like(buffer),
                                                          read_value=False)

@@ -1,0 +1,106 @@
+"""tfoverlap.horovod's cross_step on programs at the edge of its contract: fp16
+compression, a NumPy learning rate, a variable without gradient, a sparse gradient, and
+the flush's AllReduces kept out of the step's plan (one 2-rank Gloo job, tests/jobs/
+horovod_wrapper.py, plus checks of the refusals that need no job)."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tfoverlap.testbed.horovod_launch import run_horovod
+from tfoverlap.testbed.network import EmulatedNetwork
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "horovod_wrapper.py")
+
+
+@pytest.fixture(scope="module")
+def variants():
+    """Each rank's record of each variant of the job."""
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [sys.executable, JOB], controller="gloo",
+                             timeout=300)
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    return [json.loads(next(line for line in output.splitlines() if line.startswith("{")))
+            ["variants"] for output in result.outputs]
+
+
+def test_cross_step_with_fp16_compression_defers_and_trains_like_horovod(variants):
+    """The AllReduce sits between fp16 compression's Casts: the stored gradient enters at
+    the first Cast, and losses and flushed weights are Horovod's with fp16 compression."""
+    for rank in variants:
+        record = rank["fp16"]
+        assert record["deferred"].get("deferred", 0) >= 1, record
+        assert record["same_losses"] and record["same_final_weights"], record
+        assert record["warnings"] == [], record
+
+
+def test_the_flush_allreduces_are_not_planned_as_a_bucket_of_every_step(variants):
+    """The step's plan holds the gradients reduced in the step, not the deferred ones,
+    nor the flush's reductions of them."""
+    for rank in variants:
+        for name in ("momentum", "fp16"):
+            record = rank[name]
+            deferred = record["deferred"]
+            assert deferred.get("deferred", 0) >= 1, record
+            assert (record["caramel"]["allreduces"]
+                    == deferred["gradients"] - deferred["deferred"]), record
+
+
+def test_a_numpy_learning_rate_is_a_constant_and_is_deferred(variants):
+    for rank in variants:
+        record = rank["numpy_rate"]
+        assert record["deferred"].get("deferred", 0) >= 1, record
+        assert record["same_losses"] and record["same_final_weights"], record
+
+
+def test_a_variable_without_gradient_is_named_as_such_not_as_sparse(variants):
+    """One warning says which variable the loss does not reach, or which gradient is
+    sparse, and what to do; the step is then planned on its own and trains like Horovod."""
+    for rank in variants:
+        unreached, sparse = rank["unreached"]["warnings"], rank["sparse"]["warnings"]
+        assert len(unreached) == 1 and "unreached has no gradient" in unreached[0]
+        assert "var_list" in unreached[0] and "sparse" not in unreached[0]
+        assert len(sparse) == 1 and "gradient of sparse is sparse" in sparse[0]
+        assert "sparse_as_dense=True" in sparse[0]
+        for name in ("unreached", "sparse"):
+            record = rank[name]
+            assert record["deferred"] == {}, record
+            assert record["same_losses"] and record["same_final_weights"], record
+
+
+def _refused(rate, compression) -> str:
+    """Why a GradientDescentOptimizer with learning rate ``rate`` ("tensor": a constant
+    tensor) and one dense gradient reduced with ``compression`` would not be deferred."""
+    import tensorflow as tf
+    from tfoverlap.horovod.deferred import deferral_refused
+    with tf.Graph().as_default():
+        weight = tf.compat.v1.get_variable("w", [2], use_resource=True)
+        optimizer = tf.compat.v1.train.GradientDescentOptimizer(
+            tf.constant(0.1) if isinstance(rate, str) else rate)
+        return deferral_refused(optimizer, [weight], [tf.ones([2])], compression)
+
+
+@pytest.mark.parametrize("rate, accepted", [
+    (0.1, True), (np.float32(0.1), True), (np.float64(0.1), True), (np.array(0.1), True),
+    (np.int64(1), True), (True, False), (np.array(True), False), (np.array([0.1]), False),
+    (lambda: 0.1, False), ("tensor", False),
+], ids=["float", "float32", "float64", "0-d array", "int64", "bool", "0-d bool array",
+        "1-d array", "callable", "tensor"])
+def test_constant_learning_rates_are_any_real_number(rate, accepted):
+    import horovod.tensorflow as hvd
+    refused = _refused(rate, hvd.Compression.none)
+    assert (refused == "") == accepted, refused
+    assert accepted or "not a constant number" in refused
+
+
+def test_a_compression_other_than_horovods_is_refused_by_name():
+    import horovod.tensorflow as hvd
+
+    class Scaled(hvd.Compression.none):
+        pass
+
+    assert _refused(0.1, hvd.Compression.fp16) == ""
+    refused = _refused(0.1, Scaled)
+    assert refused.startswith("compression Scaled: only Horovod's none and fp16"), refused
