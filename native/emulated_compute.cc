@@ -4,11 +4,14 @@
 // inputs (so every dependency stays), gives outputs of the original dtypes and static
 // shapes, and occupies an emulated stream (a device name plus the `stream` attr) for
 // `duration_us`: kernels on one stream run one at a time in the order they were issued,
-// as on one CUDA stream, so a kernel issued at t ends at max(t, the end of the stream's
-// previous kernel) + duration.
+// as on one CUDA stream. A kernel issued at t starts at the latest of t, the end of its
+// stream's previous kernel, and the ends of the kernels named in `after`: the emulated
+// kernels on other streams whose outputs it reads, which a CUDA kernel waits for through
+// an event, so dependent kernels never overlap.
 //
 // With `pool` > 0 it instead takes whichever of the device's `pool` slots frees first: the
-// inter-op threads of a CPU executor, which run any ready op on any idle thread.
+// inter-op threads of a CPU executor, which run any ready op on any idle thread. Pools of
+// different sizes are different pools, so that none loses a busy slot.
 //
 // When the executor sees it complete depends on `blocking`:
 // - false (the default, a GPU's semantics): at once, as TensorFlow's GPU executor treats a
@@ -19,6 +22,19 @@
 // - true: when the kernel ends (a CPU's semantics: the executor waits for every op). The
 //   timer thread calls `done` itself: the executor only propagates outputs and hands the
 //   ready ops to its threads, and a second hand-over would add tens of µs to every op.
+//
+// Steps: kernel ends are recorded by step (OpKernelContext::step_id), device and node, so
+// a stream wait or an `after` sees the kernels of its own step only, never those of
+// another session or graph with the same node names. Streams and pools belong to the
+// device and are shared by all steps; each of their slots keeps the last end of each step
+// on it. An end that has passed is forgotten (it means what no end means: nothing to
+// wait for), so memory stays bounded however many steps run.
+//
+// Cancellation: a blocking kernel or a stream wait that waits for the timer registers with
+// its step's cancellation manager. If the step is cancelled first (a RunOptions timeout,
+// an error elsewhere), it completes at once with Cancelled, and the step's kernels leave
+// every stream and pool, so that an aborted step delays no later one. A kernel of a step
+// already cancelled is not issued.
 //
 // Waiting takes no thread and no CPU: one timer thread per process sleeps until the
 // earliest pending end, then completes a blocking kernel itself and hands a stream wait's
@@ -32,11 +48,13 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -44,12 +62,14 @@
 #include <utility>
 #include <vector>
 
+#include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/platform/threadpool.h"
 
 namespace tfoverlap {
 namespace {
@@ -75,6 +95,7 @@ REGISTER_OP("TfOverlapEmulatedCompute")
     .Attr("blocking: bool = false")
     .Attr("pool: int = 0")
     .Attr("original_op: string = ''")
+    .Attr("after: list(string) = []")
     // Stateful: Grappler must neither fold, deduplicate nor prune it as a pure function.
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* context) {
@@ -94,7 +115,8 @@ REGISTER_OP("TfOverlapEmulatedCompute")
     })
     .Doc("Emulates a compute op of an accelerator: zeros of the given dtypes and shapes, "
          "taking duration_us of its stream, one kernel at a time per (device, stream), in "
-         "issue order; complete at launch unless blocking.");
+         "issue order, and not before the kernels named in after (of its step, on this "
+         "device) have ended; complete at launch unless blocking.");
 
 REGISTER_OP("TfOverlapStreamWait")
     .Input("inputs: T")
@@ -108,10 +130,56 @@ REGISTER_OP("TfOverlapStreamWait")
       }
       return ::tensorflow::OkStatus();
     })
-    .Doc("Forwards its inputs once the emulated kernels named in producers (on this "
-         "device) have ended on their streams.");
+    .Doc("Forwards its inputs once the emulated kernels named in producers (of its step, "
+         "on this device) have ended on their streams.");
 
-// The process's emulated streams and the one timer thread that completes their kernels.
+using StepId = int64_t;
+
+// One slot of an emulated stream or pool: when each step's last kernel on it ends, so that
+// a cancelled step's kernels can leave it.
+class Slot {
+ public:
+  // When the slot is free; forgets the steps whose kernels on it have ended by `now`.
+  Clock::time_point FreeAt(Clock::time_point now) {
+    Clock::time_point free_at = now;
+    for (auto step = last_ends_.begin(); step != last_ends_.end();) {
+      if (step->second <= now) {
+        step = last_ends_.erase(step);
+      } else {
+        free_at = std::max(free_at, step->second);
+        ++step;
+      }
+    }
+    return free_at;
+  }
+
+  void Occupy(StepId step, Clock::time_point end) { last_ends_[step] = end; }
+
+  void Release(StepId step) { last_ends_.erase(step); }
+
+ private:
+  std::unordered_map<StepId, Clock::time_point> last_ends_;
+};
+
+// A kernel's run in one step.
+struct StepKernel {
+  StepId step;
+  int64_t kernel;
+
+  bool operator==(const StepKernel& other) const {
+    return step == other.step && kernel == other.kernel;
+  }
+};
+
+struct StepKernelHash {
+  size_t operator()(const StepKernel& key) const {
+    return static_cast<size_t>(key.step) * 0x9E3779B97F4A7C15ull ^
+           static_cast<size_t>(key.kernel);
+  }
+};
+
+// The process's emulated streams and pools (queues of one slot, or of several), when the
+// kernels of each step end, and the one timer thread that completes kernels and waits.
 class EmulatedStreams {
  public:
   static EmulatedStreams& Get() {
@@ -119,84 +187,187 @@ class EmulatedStreams {
     return *streams;
   }
 
-  // Queues a kernel of `duration` on `stream` and records its end under `kernel`;
-  // returns the end.
-  Clock::time_point Issue(const std::string& stream, const std::string& kernel,
+  // The id of the queue called `name`, which has `slots` slots.
+  int64_t QueueId(const std::string& name, int64_t slots) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [id, added] = queue_ids_.emplace(name, static_cast<int64_t>(queues_.size()));
+    if (added) queues_.emplace_back(static_cast<size_t>(slots));
+    return id->second;
+  }
+
+  // The id under which the ends of the kernel called `name` are recorded.
+  int64_t KernelId(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return kernel_ids_.emplace(name, static_cast<int64_t>(kernel_ids_.size())).first->second;
+  }
+
+  // Queues `kernel` of `step` for `duration` on the first free slot of `queue`, starting
+  // no earlier than the ends of the step's kernels `after`; records its end and returns it.
+  Clock::time_point Issue(StepId step, int64_t queue, int64_t kernel,
+                          const std::vector<int64_t>& after,
                           std::chrono::nanoseconds duration) {
     const Clock::time_point now = Clock::now();
     std::lock_guard<std::mutex> lock(mutex_);
-    Clock::time_point& busy_until = busy_until_[stream];
-    const Clock::time_point end = std::max(now, busy_until) + duration;
-    busy_until = end;
-    last_end_[kernel] = end;
+    Slot* slot = nullptr;
+    Clock::time_point start;
+    for (Slot& candidate : queues_[queue]) {
+      const Clock::time_point free_at = candidate.FreeAt(now);
+      if (slot == nullptr || free_at < start) {
+        slot = &candidate;
+        start = free_at;
+      }
+    }
+    for (int64_t producer : after) start = std::max(start, EndLocked(step, producer));
+    const Clock::time_point end = start + duration;
+    slot->Occupy(step, end);
+    ForgetPastEnds(now);
+    kernel_ends_[{step, kernel}] = end;
     return end;
   }
 
-  // Queues a kernel of `duration` on the earliest free of `slots` slots of `pool`;
-  // returns its end.
-  Clock::time_point IssueOnPool(const std::string& pool, int64_t slots,
-                                std::chrono::nanoseconds duration) {
-    const Clock::time_point now = Clock::now();
+  // When the last of `kernels` issued in `step` ends (the epoch if none was, or all ended
+  // long ago).
+  Clock::time_point LastEnd(StepId step, const std::vector<int64_t>& kernels) {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<Clock::time_point>& free_at = pools_[pool];
-    free_at.resize(static_cast<size_t>(slots));
-    auto earliest = std::min_element(free_at.begin(), free_at.end());
-    *earliest = std::max(now, *earliest) + duration;
-    return *earliest;
+    Clock::time_point last;
+    for (int64_t kernel : kernels) last = std::max(last, EndLocked(step, kernel));
+    return last;
   }
 
-  // When the last kernel issued under `kernel` ends (the epoch if none was).
-  Clock::time_point LastEnd(const std::string& kernel) {
+  // Takes the kernels of `step` off every stream and pool: a cancelled step's queued work.
+  void Release(StepId step) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto found = last_end_.find(kernel);
-    return found == last_end_.end() ? Clock::time_point() : found->second;
+    for (std::vector<Slot>& queue : queues_) {
+      for (Slot& slot : queue) slot.Release(step);
+    }
   }
 
   // Runs `callback` on the timer thread at `when` (it must be short: hand work elsewhere).
   void At(Clock::time_point when, std::function<void()> callback) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const bool earliest = ends_.empty() || when < ends_.begin()->first;
-    ends_.emplace(when, std::move(callback));
+    const bool earliest = timers_.empty() || when < timers_.begin()->first;
+    timers_.emplace(when, std::move(callback));
     if (earliest) wake_.notify_one();
   }
 
  private:
+  // Kernel ends are swept once at least this many are recorded.
+  static constexpr size_t kMinSweep = 4096;
+
   EmulatedStreams() : timer_([this] { Run(); }) { timer_.detach(); }
+
+  Clock::time_point EndLocked(StepId step, int64_t kernel) const {
+    auto found = kernel_ends_.find({step, kernel});
+    return found == kernel_ends_.end() ? Clock::time_point() : found->second;
+  }
+
+  // Forgets the ends that have passed, once their number has doubled since the last sweep:
+  // memory stays proportional to the kernels still queued, at a constant amortized cost.
+  void ForgetPastEnds(Clock::time_point now) {
+    if (kernel_ends_.size() < sweep_at_) return;
+    for (auto end = kernel_ends_.begin(); end != kernel_ends_.end();) {
+      end = end->second <= now ? kernel_ends_.erase(end) : std::next(end);
+    }
+    sweep_at_ = std::max(kMinSweep, 2 * kernel_ends_.size());
+  }
 
   void Run() {
     // Wake as close to each deadline as the kernel allows (the default slack is 50 µs).
     prctl(PR_SET_TIMERSLACK, 1UL);
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-      if (ends_.empty()) {
+      if (timers_.empty()) {
         wake_.wait(lock);
         continue;
       }
-      const Clock::time_point next = ends_.begin()->first;
+      const Clock::time_point next = timers_.begin()->first;
       if (Clock::now() < next) {
         wake_.wait_until(lock, next);
         continue;
       }
-      std::function<void()> on_end = std::move(ends_.begin()->second);
-      ends_.erase(ends_.begin());
+      std::function<void()> on_time = std::move(timers_.begin()->second);
+      timers_.erase(timers_.begin());
       lock.unlock();
-      on_end();
+      on_time();
       lock.lock();
     }
   }
 
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::unordered_map<std::string, Clock::time_point> busy_until_;
-  std::unordered_map<std::string, Clock::time_point> last_end_;
-  std::unordered_map<std::string, std::vector<Clock::time_point>> pools_;
-  std::multimap<Clock::time_point, std::function<void()>> ends_;
+  std::unordered_map<std::string, int64_t> queue_ids_;
+  std::vector<std::vector<Slot>> queues_;
+  std::unordered_map<std::string, int64_t> kernel_ids_;
+  std::unordered_map<StepKernel, Clock::time_point, StepKernelHash> kernel_ends_;
+  size_t sweep_at_ = kMinSweep;
+  std::multimap<Clock::time_point, std::function<void()>> timers_;
   std::thread timer_;
 };
 
 // The name under which a kernel's ends are recorded: its device and node.
-std::string KernelKey(const std::string& device, const std::string& node) {
+std::string KernelName(const std::string& device, const std::string& node) {
   return device + "|" + node;
+}
+
+Status StepCancelled(const ::tensorflow::OpKernel& kernel) {
+  return ::tensorflow::errors::Cancelled(kernel.type_string(), " ", kernel.name(),
+                                         ": its step was cancelled");
+}
+
+// An op waiting on the timer. It completes exactly once: when its time comes, or, if its
+// step is cancelled first, at once.
+struct PendingOp {
+  OpKernelContext* context;
+  AsyncOpKernel::DoneCallback done;
+  ::tensorflow::thread::ThreadPool* workers;        // run `done`; nullptr: the thread that
+                                                    // completes the op does
+  ::tensorflow::CancellationManager* cancellation;  // nullptr: the step cannot be cancelled
+  ::tensorflow::CancellationToken token;
+  std::atomic<bool> completed{false};
+};
+
+void RunDone(PendingOp& op) {
+  AsyncOpKernel::DoneCallback done = std::move(op.done);  // frees what it holds once run
+  if (op.workers == nullptr) {
+    done();
+  } else {
+    op.workers->Schedule(std::move(done));
+  }
+}
+
+// Completes `op` with Cancelled and takes its step's kernels off the streams, so that an
+// aborted step delays no later one.
+void CompleteCancelled(PendingOp& op) {
+  EmulatedStreams::Get().Release(op.context->step_id());
+  op.context->SetStatus(StepCancelled(op.context->op_kernel()));
+  RunDone(op);
+}
+
+// Completes the op of `context` at `when`, or when its step is cancelled (see PendingOp).
+void CompleteAt(Clock::time_point when, OpKernelContext* context,
+                AsyncOpKernel::DoneCallback done, ::tensorflow::thread::ThreadPool* workers) {
+  auto op = std::make_shared<PendingOp>();
+  op->context = context;
+  op->done = std::move(done);
+  op->workers = workers;
+  op->cancellation = context->cancellation_manager();
+  if (op->cancellation != nullptr) {
+    op->token = op->cancellation->get_cancellation_token();
+    const bool registered = op->cancellation->RegisterCallback(op->token, [op] {
+      if (!op->completed.exchange(true)) CompleteCancelled(*op);
+    });
+    if (!registered) {
+      CompleteCancelled(*op);
+      return;
+    }
+  }
+  EmulatedStreams::Get().At(when, [op] {
+    if (op->completed.exchange(true)) return;
+    // Before `done`, after which the step and its manager may end. This waits for a
+    // cancellation under way, whose callback then finds the op completed.
+    if (op->cancellation != nullptr) op->cancellation->DeregisterCallback(op->token);
+    RunDone(*op);
+  });
 }
 
 // Process-wide zeros, one growing buffer per dtype.
@@ -273,12 +444,27 @@ class EmulatedComputeOp : public AsyncOpKernel {
                 ::tensorflow::errors::InvalidArgument(
                     "TfOverlapEmulatedCompute: pool must be >= 0, and only blocking kernels "
                     "take a pool, got pool=", pool_slots_));
-    pool_ = context->device()->name() + "/pool";
-    stream_ = context->device()->name() + "/stream:" + std::to_string(stream);
-    kernel_ = KernelKey(context->device()->name(), name());
+    std::vector<std::string> after;
+    OP_REQUIRES_OK(context, context->GetAttr("after", &after));
+    const std::string& device = context->device()->name();
+    EmulatedStreams& streams = EmulatedStreams::Get();
+    // A pool's size is part of its name: one of another size never drops a busy slot.
+    queue_ = pool_slots_ > 0
+                 ? streams.QueueId(device + "/pool:" + std::to_string(pool_slots_), pool_slots_)
+                 : streams.QueueId(device + "/stream:" + std::to_string(stream), 1);
+    kernel_ = streams.KernelId(KernelName(device, name()));
+    for (const std::string& producer : after) {
+      after_.push_back(streams.KernelId(KernelName(device, producer)));
+    }
   }
 
   void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
+    ::tensorflow::CancellationManager* cancellation = context->cancellation_manager();
+    if (cancellation != nullptr && cancellation->IsCancelled()) {
+      context->SetStatus(StepCancelled(*this));  // its queued work is gone: add none
+      done();
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(zeros_mutex_);
       if (zeros_.empty()) {
@@ -296,26 +482,24 @@ class EmulatedComputeOp : public AsyncOpKernel {
       }
       for (size_t i = 0; i < zeros_.size(); ++i) context->set_output(i, zeros_[i]);
     }
+    const Clock::time_point end =
+        EmulatedStreams::Get().Issue(context->step_id(), queue_, kernel_, after_, duration_);
     if (!blocking_) {
-      EmulatedStreams::Get().Issue(stream_, kernel_, duration_);
       done();  // launched: the stream does the rest
       return;
     }
-    const Clock::time_point end =
-        pool_slots_ > 0 ? EmulatedStreams::Get().IssueOnPool(pool_, pool_slots_, duration_)
-                        : EmulatedStreams::Get().Issue(stream_, kernel_, duration_);
-    EmulatedStreams::Get().At(end, std::move(done));
+    CompleteAt(end, context, std::move(done), nullptr);
   }
 
  private:
   std::vector<DataType> dtypes_;
   std::vector<TensorShape> shapes_;
   std::chrono::nanoseconds duration_{0};
-  std::string stream_;
-  std::string kernel_;
+  int64_t queue_ = 0;
+  int64_t kernel_ = 0;
+  std::vector<int64_t> after_;
   bool blocking_ = false;
   int64_t pool_slots_ = 0;
-  std::string pool_;
   std::mutex zeros_mutex_;
   std::vector<Tensor> zeros_;
 };
@@ -329,7 +513,8 @@ class StreamWaitOp : public AsyncOpKernel {
     std::vector<std::string> producers;
     OP_REQUIRES_OK(context, context->GetAttr("producers", &producers));
     for (const std::string& producer : producers) {
-      producers_.push_back(KernelKey(context->device()->name(), producer));
+      producers_.push_back(
+          EmulatedStreams::Get().KernelId(KernelName(context->device()->name(), producer)));
     }
   }
 
@@ -337,22 +522,18 @@ class StreamWaitOp : public AsyncOpKernel {
     for (int i = 0; i < context->num_inputs(); ++i) {
       context->set_output(i, context->input(i));
     }
-    Clock::time_point ready;
-    for (const std::string& producer : producers_) {
-      ready = std::max(ready, EmulatedStreams::Get().LastEnd(producer));
-    }
+    const Clock::time_point ready =
+        EmulatedStreams::Get().LastEnd(context->step_id(), producers_);
     if (ready <= Clock::now()) {
       done();
       return;
     }
-    auto* workers = context->device()->tensorflow_cpu_worker_threads()->workers;
-    EmulatedStreams::Get().At(ready, [workers, done = std::move(done)]() {
-      workers->Schedule(done);
-    });
+    CompleteAt(ready, context, std::move(done),
+               context->device()->tensorflow_cpu_worker_threads()->workers);
   }
 
  private:
-  std::vector<std::string> producers_;
+  std::vector<int64_t> producers_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfOverlapStreamWait").Device(::tensorflow::DEVICE_CPU),

@@ -5,6 +5,7 @@ Wall-time accuracy against the requested durations is measured by
 scripts/bench_emulated_kernel.py, not here; these tests check orderings and overlaps with
 margins far above timer noise.
 """
+import concurrent.futures
 import json
 import time
 
@@ -172,6 +173,116 @@ def test_launched_kernels_complete_at_once_and_a_wait_forwards_at_its_producers_
     assert 45 <= ends["after_first"] < 150, ends      # the first kernel's end, ~50 ms
     assert 240 <= ends["after_second"] < 400, ends    # both kernels, ~250 ms
     assert 0.24 <= wall < 0.45
+
+
+def test_a_kernel_starts_when_its_producer_on_another_stream_has_ended(tmp_path):
+    """Two dependent 300 ms kernels on two streams take 600 ms, not 300: the pass names
+    the producer in the consumer's ``after``, once, and adds it to graphs made before."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.ones((64, 64), np.float32))
+        tf.reduce_sum(tf.matmul(tf.matmul(x, x, name="a"), x, name="b"), name="total")
+    device = tmp_path / "device.json"
+    device.write_text(json.dumps({"base": "v100", "op_seconds": {"a": 0.3, "b": 0.3}}))
+    options = dict(fetch=["total"], schedule="none", emulate=str(device), emulate_streams=2)
+    new, report = tfoverlap.optimize(graph.as_graph_def(), **options)
+    kernels = {n.name: n for n in new.node if n.op == EMULATED_OP}
+    assert kernels["a"].attr["stream"].i != kernels["b"].attr["stream"].i
+    assert list(kernels["b"].attr["after"].list.s) == [b"a"]
+    assert not kernels["a"].attr["after"].list.s
+    assert report.passes[0].summary["cross_stream_waits"] == 1
+    again, second = tfoverlap.optimize(new, **options)
+    assert again is new and not second.modified
+    older = tf.compat.v1.GraphDef()
+    older.CopyFrom(new)
+    del next(n for n in older.node if n.name == "b").attr["after"]
+    upgraded, third = tfoverlap.optimize(older, **options)
+    assert third.modified and upgraded == new
+    emulated = tf.Graph()
+    with emulated.as_default():
+        tf.graph_util.import_graph_def(new, name="")
+    with tf.compat.v1.Session(graph=emulated) as session:
+        wall, _ = _timed(session, "total:0", repeat=2)
+    assert wall >= 0.5, wall
+
+
+def test_sessions_with_the_same_node_names_never_see_each_others_kernels():
+    """Session A's wait for its 500 ms kernel "k" is held by a gate while session B runs a
+    1 ms kernel also called "k" on another stream: A still waits for its own kernel."""
+    graph_a, session_a = _graph_session()
+    with graph_a.as_default():
+        x = tf.constant(1.0)
+        kernel = _emulated([x], [tf.float32], [[]], 500, name="k", blocking=False)[0]
+        launched, gate = tf.queue.FIFOQueue(1, tf.float32), tf.queue.FIFOQueue(1, tf.float32)
+        with tf.control_dependencies([kernel]):
+            announce = launched.enqueue(x)
+        wait_launched, open_gate = launched.dequeue(), gate.enqueue(x)
+        after_kernel = _wait([kernel, gate.dequeue()], ["k"])[0]
+    graph_b, session_b = _graph_session()
+    with graph_b.as_default():
+        kernel_b = _emulated([tf.constant(1.0)], [tf.float32], [[]], 1, stream=1, name="k",
+                             blocking=False)[0]
+        after_kernel_b = _wait([kernel_b], ["k"])[0]
+    limit = tf.compat.v1.RunOptions(timeout_in_ms=10_000)
+
+    def step_of_a():
+        start = time.perf_counter()
+        session_a.run([after_kernel, announce], options=limit)
+        return time.perf_counter() - start
+
+    with session_a, session_b, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        step = pool.submit(step_of_a)
+        session_a.run(wait_launched, options=limit)    # A's "k" is on its stream
+        session_b.run(after_kernel_b, options=limit)
+        session_a.run(open_gate, options=limit)
+        assert step.result() >= 0.45
+
+
+def test_a_pool_of_another_size_never_frees_a_busy_slot():
+    """Four 400 ms kernels fill a pool of four; a kernel on a pool of two (as another
+    graph's would be) runs at once, and does not shrink the pool of four: a kernel issued
+    on it 100 ms later still waits for a slot to free."""
+    graph, session = _graph_session()
+    with graph.as_default():
+        x = tf.constant(1.0)
+        busy = [_emulated([x], [tf.float32], [[]], 400, pool=4)[0] for _ in range(4)]
+        first_gate = _emulated([x], [tf.float32], [[]], 50, stream=1)[0]
+        second_gate = _emulated([x], [tf.float32], [[]], 100, stream=2)[0]
+        small = _emulated([first_gate], [tf.float32], [[]], 1, pool=2, name="small")[0]
+        late = _emulated([second_gate], [tf.float32], [[]], 400, pool=4, name="late")[0]
+    with session:
+        ends, _ = _end_times(session, busy + [small, late])
+    assert ends["small"] < 300, ends
+    assert ends["late"] >= 750, ends
+
+
+def test_a_cancelled_step_ends_at_once_and_delays_no_later_step():
+    """A step that times out while a stream wait or a blocking kernel waits for a 3 s
+    kernel ends at once; the next session's kernels on the same streams do not wait for
+    the aborted ones."""
+    def kernels(milliseconds):
+        x = tf.constant(1.0)
+        launched = _emulated([x], [tf.float32], [[]], milliseconds, name="launched",
+                             blocking=False)[0]
+        return (_wait([launched], ["launched"])[0],
+                _emulated([x], [tf.float32], [[]], milliseconds, stream=1)[0])
+
+    graph, session = _graph_session()
+    with graph.as_default():
+        long_kernels = kernels(3000)
+    with session:
+        for fetch in long_kernels:
+            start = time.perf_counter()
+            with pytest.raises((tf.errors.DeadlineExceededError, tf.errors.CancelledError)):
+                session.run(fetch, options=tf.compat.v1.RunOptions(timeout_in_ms=200))
+            assert time.perf_counter() - start < 1.5
+    graph, session = _graph_session()
+    with graph.as_default():
+        short_kernels = kernels(100)
+    with session:
+        start = time.perf_counter()
+        session.run(short_kernels)
+        assert time.perf_counter() - start < 1.0
 
 
 def _ps_resnet(training=True):

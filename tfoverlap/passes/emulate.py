@@ -8,7 +8,7 @@ process has it, :func:`tfoverlap.optimize` loads it).
 from __future__ import annotations
 
 from tfoverlap.passes.base import PassContext, PassResult
-from tfoverlap.planning.emulation import emulate_until_done
+from tfoverlap.planning.emulation import emulate_until_done, wait_across_streams
 from tfoverlap.rewriters.emulated_ops import insert_stream_waits
 
 __all__ = ["emulate_pass"]
@@ -19,6 +19,7 @@ def emulate_pass(graph_def, context: PassContext) -> PassResult:
     options = context.options
     emulated_graph, plans = emulate_until_done(graph_def, options, context.preserved_nodes)
     emulated_graph, waits = insert_stream_waits(emulated_graph)
+    emulated_graph, ordered = wait_across_streams(emulated_graph)
     seconds, originals = {}, {}
     for plan in plans:
         for device, device_seconds in plan.emulated_seconds.items():
@@ -33,11 +34,12 @@ def emulate_pass(graph_def, context: PassContext) -> PassResult:
         "emulated_ops": emulated,
         "launch": "blocking" if options.emulate_blocking else "ahead",
         "stream_waits": waits,
+        "cross_stream_waits": ordered,
         "emulated_op_types": dict(sorted(originals.items())),
         "emulated_ms": {device or "(unplaced)": round(device_seconds * 1e3, 3)
                         for device, device_seconds in sorted(seconds.items())},
         "kept_heavy_ops": plans[-1].kept_heavy,
     }
-    if not emulated and not waits:
+    if not emulated and not waits and not ordered:
         return PassResult(graph_def, modified=False, summary=summary)
     return PassResult(emulated_graph, modified=True, summary=summary)

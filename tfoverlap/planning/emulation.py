@@ -19,6 +19,8 @@ shape. What stays real:
 
 Durations come from a :class:`~tfoverlap.costs.accelerators.DeviceModel`, times the
 dilation (see docs/benchmarks.md: the testbed divides link rates by the same factor).
+Streams are dealt out in turn; a kernel that reads another stream's kernel waits for its
+end (:func:`wait_across_streams`).
 """
 from __future__ import annotations
 
@@ -28,12 +30,12 @@ import math
 from tfoverlap.costs.accelerators import DeviceModel, load_device_model
 from tfoverlap.costs.static import OpShapes, static_costs
 from tfoverlap.graph.devices import DeviceMatcher
-from tfoverlap.graph.model import dtype_bytes
+from tfoverlap.graph.model import dtype_bytes, parse_input
 from tfoverlap.rewriters.emulated_ops import (EMULATED_OP, STREAM_WAIT_OP, Emulation,
                                               replace_with_emulated_ops)
 
-__all__ = ["EmulationPlan", "plan_emulation", "emulate_until_done", "emulated_op_seconds",
-           "MIN_FLOPS", "MIN_BYTES"]
+__all__ = ["EmulationPlan", "plan_emulation", "emulate_until_done", "wait_across_streams",
+           "emulated_op_seconds", "MIN_FLOPS", "MIN_BYTES"]
 
 #: an op is heavy with at least this many FLOPs ...
 MIN_FLOPS = 1e6
@@ -182,6 +184,44 @@ def emulate_until_done(graph_def, options, preserved=()) -> tuple[object, list[E
 
 
 _MAX_ROUNDS = 4
+
+
+def wait_across_streams(graph_def) -> tuple[object, int]:
+    """(``graph_def`` with each emulated kernel's ``after`` naming the non-blocking emulated
+    kernels on other streams whose outputs it reads, how many kernels' ``after`` changed).
+
+    A non-blocking kernel completes at launch, so without this its consumer on another
+    stream would run while it still does; a GPU kernel waits for an event recorded after
+    its producer. Producers on other devices are named too (a graph's device names are
+    often partial); at run time a kernel waits only for those on its own device. A copy
+    where any ``after`` changes, else ``graph_def`` itself.
+    """
+    from tensorflow.core.framework import graph_pb2
+    kernels = {node.name: node for node in graph_def.node if node.op == EMULATED_OP}
+    streams = {name: (node.device, _attr(node, "stream").i) for name, node in kernels.items()}
+    launched = {name for name, node in kernels.items() if not _attr(node, "blocking").b}
+    changed = {}
+    for name, node in kernels.items():
+        producers = list(dict.fromkeys(
+            producer for producer, _, control in map(parse_input, node.input)
+            if not control and producer in launched and streams[producer] != streams[name]))
+        if producers != [text.decode() for text in _attr(node, "after").list.s]:
+            changed[name] = producers
+    if not changed:
+        return graph_def, 0
+    new_graph_def = graph_pb2.GraphDef()
+    new_graph_def.CopyFrom(graph_def)
+    for node in new_graph_def.node:
+        if node.name in changed:
+            del node.attr["after"].list.s[:]
+            node.attr["after"].list.s.extend(text.encode() for text in changed[node.name])
+    return new_graph_def, len(changed)
+
+
+def _attr(node, name: str):
+    """``node``'s attr ``name``, its default (empty) where absent, without adding it."""
+    from tensorflow.core.framework import attr_value_pb2
+    return node.attr[name] if name in node.attr else attr_value_pb2.AttrValue()
 
 
 def emulated_op_seconds(graph_def, options) -> tuple[dict, str]:
