@@ -11,6 +11,22 @@ import sys
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+from setuptools.command.develop import develop
+
+#: In site-packages: switches TfOverlap on in a process that `tfoverlap run` started whose
+#: PYTHONPATH names a boot directory this host lacks (tfoverlap.launcher.activate_from_install).
+START_UP_FILE = "tfoverlap-run.pth"
+START_UP_LINE = ('import os; os.environ.get("TFOVERLAP_RUN") and __import__('
+                 '"tfoverlap.launcher", fromlist=["launcher"]).activate_from_install()\n')
+
+
+def write_start_up_file(directory: str) -> str:
+    path = os.path.join(directory, START_UP_FILE)
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as out:
+        out.write(START_UP_LINE)
+    return path
 
 
 class BuildAgainstInstalledTensorFlow(build_ext):
@@ -32,6 +48,27 @@ class BuildAgainstInstalledTensorFlow(build_ext):
         subprocess.check_call(command)
 
 
+class BuildWithStartUpFile(build_py):
+    """Puts the start-up file beside the package, so that an install takes it to
+    site-packages."""
+
+    def run(self):
+        super().run()
+        write_start_up_file(self.build_lib)
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [
+            os.path.join(self.build_lib, START_UP_FILE)]
+
+
+class DevelopWithStartUpFile(develop):
+    """An editable install (`pip install -e .`) writes the start-up file too."""
+
+    def run(self):
+        super().run()
+        write_start_up_file(self.install_dir)
+
+
 setup(
     name="tfoverlap",
     version="0.1.0",
@@ -47,7 +84,8 @@ setup(
                            sources=["native/tfoverlap_optimizer.cc"]),
                  Extension("tfoverlap._tfoverlap_emulated",
                            sources=["native/emulated_compute.cc"])],
-    cmdclass={"build_ext": BuildAgainstInstalledTensorFlow},
+    cmdclass={"build_ext": BuildAgainstInstalledTensorFlow, "build_py": BuildWithStartUpFile,
+              "develop": DevelopWithStartUpFile},
     install_requires=["numpy", "absl-py"],
     entry_points={"console_scripts": ["tfoverlap = tfoverlap.cli:main"]},
 )

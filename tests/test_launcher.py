@@ -202,3 +202,137 @@ def test_a_ps_strategy_job_has_its_transfers_ordered_by_the_workers(tmp_path):
     assert stderr.count("optimized by the worker tasks") == 1, stderr[-2000:]
     summary = [line for line in stderr.splitlines() if line.startswith("tfoverlap [")]
     assert len(summary) == 1 and "dispatched 6 ClusterCoordinator closures" in summary[0]
+
+
+def _run_under_launcher(code_or_script, options=None, pythonpath=None, cwd=None,
+                        extra_env=None):
+    """Runs Python as `tfoverlap run` would start it: the launcher's environment (from
+    ``pythonpath`` as the program's own PYTHONPATH; None: unset)."""
+    base = {key: value for key, value in os.environ.items()
+            if key != "PYTHONPATH" and not key.startswith(launcher.ENV_PREFIX)}
+    if pythonpath is not None:
+        base["PYTHONPATH"] = pythonpath
+    environment = {**launcher.environment_for(options or {}, base=base), **(extra_env or {})}
+    argv = ([sys.executable, code_or_script] if code_or_script.endswith(".py")
+            else [sys.executable, "-c", code_or_script])
+    return subprocess.run(argv, capture_output=True, text=True, env=environment, cwd=cwd,
+                          timeout=120)
+
+
+def test_empty_pythonpath_entries_still_mean_the_current_directory(tmp_path):
+    """PYTHONPATH=":/lib" puts the current directory on sys.path; under the launcher too."""
+    work, program = tmp_path / "work", tmp_path / "program"
+    work.mkdir(), program.mkdir()
+    (work / "local_module.py").write_text("WHERE = 'work'\n")
+    (program / "main.py").write_text("import local_module\nprint(local_module.WHERE)\n")
+    pythonpath = os.pathsep + str(tmp_path / "lib")
+    assert launcher.environment_for({}, base={"PYTHONPATH": pythonpath})[
+        "PYTHONPATH"].split(os.pathsep) == [launcher.boot_directory(), "", str(tmp_path / "lib")]
+    result = _run_under_launcher(str(program / "main.py"), pythonpath=pythonpath, cwd=work)
+    assert result.returncode == 0 and result.stdout.strip() == "work", result.stderr
+
+
+_USER_SITECUSTOMIZE = ("import os, sys\n"
+                       "print('user sitecustomize ran as', __name__, file=sys.stderr)\n"
+                       "MARK = 'user'\n")
+_SHOWS_SITECUSTOMIZE = "import sitecustomize; print(getattr(sitecustomize, 'MARK', None))"
+
+
+def _package_sitecustomize(directory):
+    (directory / "sitecustomize").mkdir()
+    (directory / "sitecustomize" / "__init__.py").write_text(_USER_SITECUSTOMIZE)
+    return str(directory)
+
+
+def _compiled_sitecustomize(directory):
+    import py_compile
+    source = directory / "source.py"
+    source.write_text(_USER_SITECUSTOMIZE)
+    py_compile.compile(str(source), cfile=str(directory / "sitecustomize.pyc"))
+    source.unlink()
+    return str(directory)
+
+
+def _zipped_sitecustomize(directory):
+    import zipfile
+    archive = directory / "site.zip"
+    with zipfile.ZipFile(archive, "w") as out:
+        out.writestr("sitecustomize.py", _USER_SITECUSTOMIZE)
+    return str(archive)
+
+
+@pytest.mark.parametrize("make", [_package_sitecustomize, _compiled_sitecustomize,
+                                  _zipped_sitecustomize], ids=["package", "pyc", "zip"])
+def test_the_users_own_sitecustomize_runs_once_under_its_own_name(tmp_path, make):
+    """Whatever form the program's sitecustomize has, it runs exactly once, as
+    `sitecustomize`, as it would without the launcher."""
+    pythonpath = make(tmp_path)
+    plain = subprocess.run([sys.executable, "-c", _SHOWS_SITECUSTOMIZE], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": pythonpath}, timeout=60)
+    launched = _run_under_launcher(_SHOWS_SITECUSTOMIZE, pythonpath=pythonpath)
+    for result in (plain, launched):
+        assert result.returncode == 0, result.stderr
+        assert result.stderr.count("user sitecustomize ran as sitecustomize") == 1, result.stderr
+        assert result.stdout.strip() == "user", result.stdout
+
+
+def test_the_users_sitecustomize_runs_when_tfoverlap_cannot_start(tmp_path):
+    """A malformed profile: one line from tfoverlap, and the program's sitecustomize runs."""
+    (tmp_path / "sitecustomize.py").write_text(_USER_SITECUSTOMIZE)
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"format": "tfoverlap-profile", "version": 1, "op_seconds": {}, '
+                       '"transfer_seconds": {}, "transfer_bytes": {}, "steps": [5]}')
+    result = _run_under_launcher(_SHOWS_SITECUSTOMIZE, pythonpath=str(tmp_path),
+                                 extra_env={"TFOVERLAP_PROFILE": str(profile)})
+    assert result.stdout.strip() == "user", result.stderr
+    assert result.stderr.count("user sitecustomize ran as sitecustomize") == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("tfoverlap")]
+    assert len(lines) == 1 and "steps" in lines[0], result.stderr
+
+
+def test_errors_of_the_users_sitecustomize_are_reported_as_python_reports_them(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("raise RuntimeError('user start-up broke')\n")
+    plain = subprocess.run([sys.executable, "-c", "print('ran')"], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                           timeout=60)
+    launched = _run_under_launcher("print('ran')", pythonpath=str(tmp_path))
+    for result in (plain, launched):
+        assert result.stdout.strip() == "ran"
+        assert "Error in sitecustomize" in result.stderr
+        assert "RuntimeError: user start-up broke" in result.stderr
+
+
+def test_run_help_says_what_each_option_does():
+    result = _tfoverlap("run", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "usage: tfoverlap run [options] -- PROGRAM" in text
+    assert "--window VALUE how many release groups may be in flight" in text
+    assert "(default: 2)" in text and "(default: 'auto')" in text
+    assert "the option 'window'" not in text
+
+
+def test_relative_paths_are_made_absolute_at_launch(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "v100x.json").write_text(json.dumps({"name": "mine", "peak_flops": 1e13,
+                                                     "memory_bandwidth": 5e11}))
+    environment = launcher.environment_for({"report_dir": "reports", "emulate": "v100"},
+                                           base={})
+    assert environment["TFOVERLAP_REPORT_DIR"] == str(tmp_path / "reports")
+    assert environment["TFOVERLAP_EMULATE"] == "v100"
+    assert launcher.absolute_paths({"profile": "p.json", "emulate": "v100x.json"}) == {
+        "profile": str(tmp_path / "p.json"), "emulate": str(tmp_path / "v100x.json")}
+
+
+def test_a_host_without_the_boot_directory_switches_tfoverlap_on_from_its_install(tmp_path):
+    """A rank on another host: the launcher's boot directory is not there, but tfoverlap is
+    installed; the install's start-up file switches TfOverlap on (its exit line shows)."""
+    missing = str(tmp_path / "elsewhere" / "tfoverlap" / "boot")
+    environment = {**{k: v for k, v in os.environ.items() if not k.startswith("TFOVERLAP_")},
+                   "PYTHONPATH": missing, launcher.ENV_ACTIVE: "1",
+                   "TFOVERLAP_SCHEDULE": "tic"}
+    result = subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True,
+                            text=True, env=environment, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "tfoverlap [" in result.stderr and "no graph with parameter transfers" in \
+        result.stderr, result.stderr[-2000:]

@@ -66,6 +66,10 @@ def test_bad_options_are_value_errors_naming_the_problem(options, message):
     ('{"format": "tfoverlap-profile", "version": 99}', "has version 99"),
     ('{"format": "tfoverlap-profile", "version": 1, "op_seconds": {"a": -1},'
      ' "transfer_seconds": {}, "transfer_bytes": {}}', "is not a non-negative number"),
+    ('{"format": "tfoverlap-profile", "version": 1, "op_seconds": {}, "transfer_seconds": {},'
+     ' "transfer_bytes": {}, "steps": [5]}', "steps = \\[5\\] is not a number of steps"),
+    ('{"format": "tfoverlap-profile", "version": 1, "op_seconds": {}, "transfer_seconds": {},'
+     ' "transfer_bytes": {}, "metadata": 3}', "'metadata' is not a table"),
 ])
 def test_bad_profile_files_fail_at_config_time(tmp_path, content, message):
     path = tmp_path / "profile.json"

@@ -584,24 +584,29 @@ def _parser() -> argparse.ArgumentParser:
 def _run(argv: list[str]) -> int:
     """``tfoverlap run [options] -- PROGRAM ARGS...``: see :mod:`tfoverlap.launcher`."""
     from tfoverlap.launcher import run_program
-    from tfoverlap.options import OPTION_NAMES, Options
-    parser = _Parser(prog="tfoverlap run", description="run an unmodified program with the "
-                     "TfOverlap optimizer switched on in every TensorFlow session and "
-                     "tf.function of it and of its child processes")
+    from tfoverlap.options import OPTION_NAMES, Options, option_help, parse_options
+    parser = _Parser(prog="tfoverlap run",
+                     usage="tfoverlap run [options] -- PROGRAM [ARGS...]",
+                     description="Runs an unmodified program with the TfOverlap optimizer "
+                                 "switched on in every TensorFlow session and tf.function of "
+                                 "it and of the Python processes it starts (horovodrun and "
+                                 "mpirun ranks among them). The options are those of "
+                                 "tfoverlap.session_config.")
+    described = option_help()
     for name in OPTION_NAMES:
         default = getattr(Options(), name)
-        parser.add_argument("--" + name.replace("_", "-"), dest=name,
-                            help=f"the option '{name}' (default {default!r})")
-    if "--" not in argv:
+        shown = "auto" if name == "bandwidth" and not default else default
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
+                            help=f"{described[name]} (default: {shown!r})".replace("%", "%%"))
+    if "--" not in argv and not {"-h", "--help"} & set(argv):
         parser.error("give the program after '--': tfoverlap run [options] -- python train.py")
-    split = argv.index("--")
-    args = parser.parse_args(argv[:split])
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])          # --help prints the help and exits here
     command = argv[split + 1:]
     if not command:
         parser.error("no program after '--'")
     options = {name: value for name, value in vars(args).items() if value is not None}
     try:
-        from tfoverlap.options import parse_options
         parse_options(options)
     except ValueError as error:
         parser.error(str(error))

@@ -26,30 +26,47 @@ import os
 import sys
 import threading
 
+from tfoverlap.costs.accelerators import DEVICE_MODELS
 from tfoverlap.options import OPTION_NAMES, parse_options
 
 __all__ = ["ENV_PREFIX", "ENV_ACTIVE", "options_from_environment", "environment_for",
-           "boot_directory", "activate_from_environment", "summary_line", "run_program"]
+           "absolute_paths", "boot_directory", "activate_from_environment",
+           "activate_from_install", "summary_line", "run_program"]
 
 ENV_PREFIX = "TFOVERLAP_"
 #: set by the launcher: switch TfOverlap on even where no option is given (its defaults).
 ENV_ACTIVE = ENV_PREFIX + "RUN"
+_armed = threading.Event()
 _activated = threading.Event()
 
 
 def environment_for(options: dict, base: dict | None = None) -> dict:
     """``base`` (the current environment by default) with ``options`` as TFOVERLAP_*
-    variables and the boot directory first on PYTHONPATH. The options are validated here."""
+    variables and the boot directory first on PYTHONPATH. The options are validated here,
+    and the paths among them made absolute: children may start in other directories."""
     parse_options(options)
     environment = dict(os.environ if base is None else base)
-    for name, value in options.items():
+    for name, value in absolute_paths(options).items():
         environment[ENV_PREFIX + name.upper()] = str(value)
     environment[ENV_ACTIVE] = "1"
     path = environment.get("PYTHONPATH", "")
-    parts = [boot_directory()] + [p for p in path.split(os.pathsep)
-                                  if p and p != boot_directory()]
+    # An empty entry is the current directory to Python: it stays, as every other does.
+    parts = [boot_directory()] + ([p for p in path.split(os.pathsep) if p != boot_directory()]
+                                  if path else [])
     environment["PYTHONPATH"] = os.pathsep.join(parts)
     return environment
+
+
+def absolute_paths(options: dict) -> dict:
+    """``options`` with its file and directory values (profile, report_dir, an emulate
+    device file) absolute, as seen from the current directory."""
+    resolved = dict(options)
+    for name in ("profile", "report_dir", "emulate"):
+        value = str(resolved.get(name) or "")
+        if not value or (name == "emulate" and value.lower() in DEVICE_MODELS):
+            continue
+        resolved[name] = os.path.abspath(os.path.expanduser(value))
+    return resolved
 
 
 def boot_directory() -> str:
@@ -76,7 +93,10 @@ def options_from_environment(environment: dict | None = None) -> dict:
 def activate_from_environment() -> None:
     """Run at interpreter start (by tfoverlap/boot/sitecustomize.py): arms the hooks if
     TFOVERLAP_* variables are set. A bad variable is one line on stderr, and the program
-    runs without TfOverlap."""
+    runs without TfOverlap. Only the first call of a process does anything."""
+    if _armed.is_set():
+        return
+    _armed.set()
     try:
         options = options_from_environment()
         if not options and not os.environ.get(ENV_ACTIVE):
@@ -89,6 +109,21 @@ def activate_from_environment() -> None:
         _on_tensorflow(options)
     else:
         sys.meta_path.insert(0, _AfterImport("tensorflow", lambda: _on_tensorflow(options)))
+
+
+def activate_from_install() -> None:
+    """Run at interpreter start by the ``tfoverlap-run.pth`` file that installing tfoverlap
+    puts into site-packages. Where ``tfoverlap run`` started this process's job but no
+    boot directory on its PYTHONPATH exists here (a rank on another host, where tfoverlap
+    is installed in another place), TfOverlap is switched on from this install."""
+    if not os.environ.get(ENV_ACTIVE):
+        return
+    boot = os.path.join("tfoverlap", "boot")
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if (os.path.normpath(entry).endswith(boot)
+                and os.path.isfile(os.path.join(entry, "sitecustomize.py"))):
+            return      # that directory's sitecustomize switches it on
+    activate_from_environment()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -15,7 +15,7 @@ from tfoverlap.costs.accelerators import DEVICE_MODELS, load_device_model
 from tfoverlap.costs.profile import load_profile
 from tfoverlap.graph.devices import parse_device_spec
 
-__all__ = ["Options", "parse_options", "parse_bandwidth", "OPTION_NAMES",
+__all__ = ["Options", "parse_options", "parse_bandwidth", "option_help", "OPTION_NAMES",
            "DEFAULT_BANDWIDTH", "link_bandwidth"]
 
 #: the link rate assumed where none is given or measured: 1 Gbit/s.
@@ -140,6 +140,23 @@ class Options:
 
 OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options)
                      if field.name != "given")
+
+
+def option_help() -> dict[str, str]:
+    """Each option's description, from the :class:`Options` docstring (one source for the
+    API's documentation and the command line's help)."""
+    described: dict[str, list[str]] = {}
+    current = None
+    for line in (Options.__doc__ or "").splitlines():
+        entry = re.match(r"^    (\w+):\s+(.*)$", line)
+        if entry:
+            current = entry.group(1)
+            described[current] = [entry.group(2).strip()]
+        elif current and line.startswith(" " * 8) and line.strip():
+            described[current].append(line.strip())
+        else:
+            current = None
+    return {name: " ".join(described.get(name, [])) for name in OPTION_NAMES}
 
 
 def link_bandwidth(options: Options) -> float:

@@ -1,6 +1,7 @@
 """Started by Python at start-up when ``tfoverlap run`` put this directory on PYTHONPATH:
 switches TfOverlap on for this process (:mod:`tfoverlap.launcher`), then runs the
-``sitecustomize`` this one hides, if there is one."""
+``sitecustomize`` this one hides, if there is one, exactly as Python would have run it."""
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -9,26 +10,26 @@ import sys
 def _activate():
     try:
         from tfoverlap.launcher import activate_from_environment
-    except ImportError as error:
-        print(f"tfoverlap: cannot import tfoverlap ({error}); running without it",
+        activate_from_environment()
+    except Exception as error:  # noqa: BLE001 - the program must run, and the next hook too
+        print(f"tfoverlap: not active in this process ({type(error).__name__}: {error})",
               file=sys.stderr)
-        return
-    activate_from_environment()
 
 
-def _chain():
+def _run_hidden_sitecustomize():
+    """The first ``sitecustomize`` on the rest of sys.path (a module, a package, a .pyc, in
+    a zip: whatever Python's own import finds), run once under its own name. Its errors
+    go to Python's site module, which reports them as it would have."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for directory in sys.path:
-        if not directory or os.path.abspath(directory) == here:
-            continue
-        candidate = os.path.join(directory, "sitecustomize.py")
-        if os.path.exists(candidate):
-            spec = importlib.util.spec_from_file_location("_tfoverlap_next_sitecustomize",
-                                                          candidate)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return
+    rest = [entry for entry in sys.path
+            if isinstance(entry, str) and os.path.abspath(entry or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module    # what `import sitecustomize` gives from now on
+    spec.loader.exec_module(module)
 
 
 _activate()
-_chain()
+_run_hidden_sitecustomize()

@@ -102,9 +102,14 @@ def load_profile(path: str) -> Profile:
     transfer_seconds = _seconds_table(data, "transfer_seconds", path)
     transfer_bytes = {name: int(value) for name, value in
                       _seconds_table(data, "transfer_bytes", path).items()}
+    steps, metadata = data.get("steps", 0), data.get("metadata", {})
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ProfileError(f"profile {path!r}: steps = {steps!r} is not a number of steps")
+    if not isinstance(metadata, dict):
+        raise ProfileError(f"profile {path!r}: field 'metadata' is not a table")
     return Profile(op_seconds=op_seconds, transfer_seconds=transfer_seconds,
-                   transfer_bytes=transfer_bytes, steps=int(data.get("steps", 0)),
-                   metadata=data.get("metadata", {}), op_mean_seconds=op_mean_seconds,
+                   transfer_bytes=transfer_bytes, steps=steps,
+                   metadata=metadata, op_mean_seconds=op_mean_seconds,
                    op_share_seconds=op_share_seconds)
 
 
