@@ -4,10 +4,10 @@ TicTac's gain estimate and its credit need the link's bandwidth and round trip, 
 Grappler optimizer cannot measure them: it sees device names, not addresses, and runs
 inside session creation. A TF1 session created with a ``grpc://`` target and a config
 that switches TfOverlap on (and leaves ``bandwidth`` unset) is the moment to measure:
-before it runs anything, a separate probe session on the same target times a tiny and a
-large fetch from every PS task its graph uses, and the same work done on the worker alone
-(so that creating and summing the tensor does not count as transfer time). The round trip
-is the tiny fetch; the bandwidth is the extra bytes over the extra time.
+before it runs anything, a separate probe session on the same target times a tiny fetch
+(the round trip) and two large ones, one twice the other, from every PS task its graph
+uses, and the same two on the worker alone (so that creating and summing the tensor does
+not count as transfer time). The bandwidth is the extra bytes over the extra time.
 
 The probe never makes a session start wait for what plain TensorFlow would not wait for:
 its session keeps the program's config (device filters, cluster, timeouts), waits only for
@@ -33,8 +33,8 @@ from tfoverlap.options import parse_options
 __all__ = ["measure_ps_links", "link_from_timings", "install_session_hook", "ImplausibleLink",
            "PROBE_BYTES", "PROBE_SECONDS", "MAX_PLAUSIBLE_BANDWIDTH"]
 
-#: the largest fetch; the probe sizes it down to about PROBE_TRANSFER_SECONDS of the link.
-PROBE_BYTES = 8 * 2 ** 20
+#: the largest fetch; the probe sizes its two down to about PROBE_TRANSFER_SECONDS together.
+PROBE_BYTES = 32 * 2 ** 20
 PROBE_TRANSFER_SECONDS = 0.05
 #: the most a session start waits for the probe, all its PS tasks together.
 PROBE_SECONDS = 5.0
@@ -51,23 +51,23 @@ class ImplausibleLink(ValueError):
     """The probe's timings give a figure that no link can have."""
 
 
-def link_from_timings(fetch_bytes: int, tiny_s: float, large_s: float,
-                      local_tiny_s: float = 0.0, local_large_s: float = 0.0
-                      ) -> tuple[float, float]:
-    """(bytes/s, round trip s) from median fetch times: a tiny and a ``fetch_bytes`` one
-    from the PS, and the same two made on the worker alone (the work that is not transfer).
-    ImplausibleLink where the transfer takes no time or the rate exceeds any real link."""
-    transfer_s = (large_s - tiny_s) - max(local_large_s - local_tiny_s, 0.0)
+def link_from_timings(extra_bytes: int, smaller_s: float, larger_s: float,
+                      local_smaller_s: float = 0.0, local_larger_s: float = 0.0) -> float:
+    """Bytes/s from the median times of two fetches from the PS, the larger one
+    ``extra_bytes`` more, and of the same two made on the worker alone (the work that is
+    not transfer). Two sizes, not a tiny and a large one: a shaped link's burst allowance
+    then speeds both alike and cancels. ImplausibleLink where the extra bytes took no time
+    or the rate exceeds any real link."""
+    transfer_s = (larger_s - smaller_s) - max(local_larger_s - local_smaller_s, 0.0)
     if transfer_s <= 0:
         raise ImplausibleLink(
-            f"the {fetch_bytes / 2 ** 20:.3g} MiB fetch took no longer than the tiny one "
-            f"once the worker's own work is taken off ({large_s * 1e3:.3g} ms against "
-            f"{tiny_s * 1e3:.3g} ms)")
-    bandwidth = fetch_bytes / transfer_s
+            f"{extra_bytes / 2 ** 20:.3g} MiB more took no longer once the worker's own work "
+            f"is taken off ({larger_s * 1e3:.3g} ms against {smaller_s * 1e3:.3g} ms)")
+    bandwidth = extra_bytes / transfer_s
     if bandwidth > MAX_PLAUSIBLE_BANDWIDTH:
         raise ImplausibleLink(f"it measured {bandwidth * 8 / 1e9:.3g} Gbit/s, more than "
                               f"{MAX_PLAUSIBLE_BANDWIDTH * 8 / 1e9:.3g} Gbit/s")
-    return bandwidth, tiny_s
+    return bandwidth
 
 
 def _probe_config(config, ps_tasks: list[str], worker_device: str):
@@ -135,18 +135,19 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
         with tf.compat.v1.Session(target, graph=graph,
                                   config=_probe_config(config, ps_tasks, worker_device)) as s:
             local = fetches[worker_device or None]
-            local_tiny = timed(s, local, 1)
             for task in ps_tasks:
                 try:
-                    tiny = timed(s, fetches[task], 1)
-                    # a 1 MiB fetch sizes the large one to about PROBE_TRANSFER_SECONDS
+                    round_trip = timed(s, fetches[task], 1)
+                    # a 1 MiB fetch sizes the others to about PROBE_TRANSFER_SECONDS
                     rough = timed(s, fetches[task], 2 ** 18, runs=1)
-                    rough_rate = 2 ** 20 / max(rough - tiny, 1e-6)
-                    count = int(min(max(rough_rate * PROBE_TRANSFER_SECONDS, 2 ** 20),
-                                    probe_bytes)) // 4
-                    large = timed(s, fetches[task], count)
-                    local_large = timed(s, local, count)
-                    result = link_from_timings(count * 4, tiny, large, local_tiny, local_large)
+                    rough_rate = 2 ** 20 / max(rough - round_trip, 1e-6)
+                    count = int(min(max(rough_rate * PROBE_TRANSFER_SECONDS / 2, 2 ** 20),
+                                    probe_bytes / 2)) // 4
+                    smaller, larger = (timed(s, fetches[task], n) for n in (count, 2 * count))
+                    local_smaller, local_larger = (timed(s, local, n)
+                                                   for n in (count, 2 * count))
+                    result = (link_from_timings(count * 4, smaller, larger, local_smaller,
+                                                local_larger), round_trip)
                 except ImplausibleLink as error:
                     result = f"rejected: {error}"
                 except TimeoutError:
