@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["GraphError", "GraphModel", "is_variable_op", "parse_input", "dtype_bytes",
-           "output_dtype", "tensor_bytes", "LOOP_BACK_EDGE_OPS", "RESOURCE_HANDLE_OPS",
+           "edge_bytes", "output_dtype", "tensor_bytes", "LOOP_BACK_EDGE_OPS", "RESOURCE_HANDLE_OPS",
            "ENTER_OPS", "EXIT_OPS", "Frame"]
 
 # Edges out of these ops close TF1 while loops; they are not ordering constraints.
@@ -263,6 +263,9 @@ def tensor_bytes(graph_def, model: GraphModel, node: int, slot: int = 0) -> int 
                 elements = _shape_elements(shapes[slot])
                 if elements is not None and dtype in _DTYPE_BYTES:
                     return elements * _DTYPE_BYTES[dtype]
+        if node_def.op == "Const" and "value" in attrs and dtype in _DTYPE_BYTES:
+            elements = _shape_elements(attrs["value"].tensor.tensor_shape)
+            return None if elements is None else elements * _DTYPE_BYTES[dtype]
         if node_def.op in _VARIABLE_OPS and "shape" in attrs and dtype is not None:
             elements = _shape_elements(attrs["shape"].shape)
             return None if elements is None or dtype not in _DTYPE_BYTES else (
@@ -278,3 +281,16 @@ def tensor_bytes(graph_def, model: GraphModel, node: int, slot: int = 0) -> int 
             continue
         return None
     return None
+
+
+def edge_bytes(graph_def, model: GraphModel, producer: int, consumer: int,
+               slot: int = 0) -> int | None:
+    """Bytes that ``producer``'s output ``slot`` carries to ``consumer``: its static size,
+    or for a gradient pushed to an update op whose shape is unknown, the size of the
+    variable that op updates (None if neither is known)."""
+    size = tensor_bytes(graph_def, model, producer, slot)
+    if size is None:
+        for source, _ in model.data_inputs[consumer]:
+            if is_variable_op(model.ops[source]):
+                return tensor_bytes(graph_def, model, source)
+    return size

@@ -2,8 +2,10 @@
 
 The plan (:mod:`tfoverlap.planning.tictac`) says which gate each transfer's PS-side source
 waits for; the pass strips the edges of an earlier run, adds the plan's, and reports.
-Where ordering cannot gain ``min_gain`` of a step (the computation hides the transfers, or
-the transfers dwarf it) the pass leaves the graph as it is and says why, unless ``force``.
+Where ordering cannot gain ``min_gain`` of a step (the computation hides the transfers, the
+transfers dwarf it, or the workers share their PS links better without it), even with its
+figures off by DECISION_MARGIN, the pass leaves the graph as it is and says why, unless
+``force``; a process decides once per graph and keeps to it.
 """
 from __future__ import annotations
 
@@ -36,11 +38,16 @@ def tictac_pass(graph_def, context: PassContext) -> PassResult:
     estimate = _estimate(clean, plan, options)
     if estimate is not None:
         summary.update(predicted_gain=round(estimate.gain, 4),
+                       predicted_gain_low=round(estimate.low_gain, 4),
                        comm_ms=round(estimate.comm_seconds * 1e3, 3),
-                       comp_ms=round(estimate.comp_seconds * 1e3, 3))
-        if estimate.gain < options.min_gain and not options.force:
-            reason = (f"{estimate.describe()}, below min_gain {options.min_gain:.1%}; "
-                      "left unchanged (force=True orders anyway)")
+                       comp_ms=round(estimate.comp_seconds * 1e3, 3),
+                       default_ms=round(estimate.steps.default * 1e3, 3),
+                       ordered_ms=round(estimate.steps.ordered * 1e3, 3),
+                       workers_drift=estimate.steps.saturated)
+        decision = _decide(plan, options, estimate)
+        summary["decided_by"] = decision
+        if decision.startswith("declined"):
+            reason = decision.removeprefix("declined: ")
             logger.info("tfoverlap: graph %s: %s", context.item_id or "", reason)
             return _unchanged(graph_def, clean, stripped,
                               {**summary, "declined": reason, **_counted(plan.notes)})
@@ -66,6 +73,29 @@ def tictac_pass(graph_def, context: PassContext) -> PassResult:
                 rewritten.SerializeToString(deterministic=True)
                 != graph_def.SerializeToString(deterministic=True))
     return PassResult(rewritten if modified else graph_def, modified=modified, summary=summary)
+
+
+#: a graph's shape and options -> the decision this process made for it: Grappler runs the
+#: pass several times per graph and a program may build it again, and each time the same
+#: graph must be ordered, or not, alike.
+_decisions: dict[tuple, str] = {}
+
+
+def _decide(plan, options, estimate) -> str:
+    """"ordered: ..." or "declined: ..." with the figures that decided it, the first
+    decision of this process for a graph of this shape under these options."""
+    devices = plan.model.colocated_devices()
+    transfers = tuple(sorted((devices[t.source], t.destination, round(size))
+                             for t, size in zip(plan.transfers, plan.sizes)))
+    shape = (options, plan.link, estimate.workers, transfers)
+    if shape not in _decisions:
+        verdict = "ordered" if estimate.low_gain >= options.min_gain else "declined"
+        relation = "at least" if verdict == "ordered" else "below"
+        _decisions[shape] = (
+            f"{verdict}: {estimate.describe()}; {relation} min_gain {options.min_gain:.1%}"
+            + ("" if verdict == "ordered" else
+               "; left unchanged (force=True orders anyway)"))
+    return _decisions[shape]
 
 
 def _estimate(graph_def, plan, options):

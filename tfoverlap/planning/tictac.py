@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+from tfoverlap.costs.contention import FORWARD_SHARE, StepPrediction, predict_steps
 from tfoverlap.costs.host import cluster_workers, host_flops, link_failures, measured_links
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
 from tfoverlap.costs.static import static_costs
 from tfoverlap.graph.devices import DeviceMatcher, parse_device_spec, task_of
 from tfoverlap.graph.frames import ControlFlow, analysed
-from tfoverlap.graph.model import GraphModel, output_dtype, tensor_bytes
+from tfoverlap.graph.model import GraphModel, edge_bytes, output_dtype, tensor_bytes
 from tfoverlap.planning.emulation import emulated_op_seconds
 from tfoverlap.graph.transfers import Transfer, find_transfers
 from tfoverlap.log import warn_once
@@ -32,7 +33,8 @@ from tfoverlap.schedulers.tictac import (group_dependency_sets, release_groups_p
                                          tac_order, tic_order)
 
 __all__ = ["TransferPlan", "plan_transfer_order", "dependency_bits", "link_figures",
-           "credit_bytes", "GainEstimate", "estimate_gain", "MOST_GATES_PER_STEP"]
+           "credit_bytes", "GainEstimate", "estimate_gain", "MOST_GATES_PER_STEP",
+           "DECISION_MARGIN"]
 
 #: credit="auto" makes groups large enough that a step pays at most about this many gates.
 MOST_GATES_PER_STEP = 32
@@ -337,42 +339,60 @@ def plan_transfer_order(graph_def, options: Options) -> TransferPlan:
 
 @dataclasses.dataclass(frozen=True)
 class GainEstimate:
-    """How much ordering can gain at most on the destination where it can gain most.
+    """What ordering gains on the destination where it gains most: the default's and the
+    ordered step as :mod:`tfoverlap.costs.contention` predicts them, from the links both
+    directions carry and how the workers' phases line up.
 
-    A step takes at least max(comm, comp) and, with transfers in any order, at most about
-    comm + comp; ordering only moves a step between the two, so it gains at most
-    min(comm, comp) / max(comm, comp) of the step.
+    ``low_gain`` is the gain with the link and the compute each off by up to
+    DECISION_MARGIN either way (where both came from this host's own measurements, they
+    vary from run to run): deciding on it keeps a program ordered, or not, in every run.
     """
 
     destination: str
-    comm_seconds: float
+    steps: StepPrediction
     comp_seconds: float
     figures: str          # where the times came from
-    workers: int = 1      # workers sharing each PS task's link
+    low_gain: float
 
     @property
     def gain(self) -> float:
-        longer = max(self.comm_seconds, self.comp_seconds)
-        return min(self.comm_seconds, self.comp_seconds) / longer if longer > 0 else 0.0
+        return self.steps.gain
+
+    @property
+    def comm_seconds(self) -> float:
+        """The busiest link direction's transfer time per step."""
+        return max(self.steps.pull_seconds, self.steps.push_seconds)
+
+    @property
+    def workers(self) -> int:
+        return self.steps.workers
 
     def describe(self) -> str:
         shared = (f" ({self.workers} workers sharing each PS link)" if self.workers > 1
                   else "")
         return (f"transfers to {self.destination or 'the worker'} take about "
                 f"{self.comm_seconds * 1e3:.3g} ms{shared} and its computation about "
-                f"{self.comp_seconds * 1e3:.3g} ms per step ({self.figures}): ordering can "
-                f"gain at most {self.gain:.1%}")
+                f"{self.comp_seconds * 1e3:.3g} ms per step ({self.figures}); "
+                f"{self.steps.describe()}: ordering can gain {self.gain:.1%}, at least "
+                f"{self.low_gain:.1%} with the link and the compute off by up to "
+                f"{DECISION_MARGIN:g}x")
+
+
+#: how far off the link and compute figures may be (run-to-run measurement noise, static
+#: FLOP estimates) where the decision to order must still hold.
+DECISION_MARGIN = 1.5
 
 
 def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstimate | None:
-    """The most ordering can gain on ``plan``'s graph (None: nothing is ordered).
+    """What ordering ``plan``'s graph gains (None: nothing is ordered).
 
-    Transfer times are bytes (the profile's where it has them) over the link's bandwidth;
-    compute times come from the profile, else from static FLOP estimates at ``options.flops``
-    (this host's measured rate when 0); the link is the plan's. With ``workers`` pulling
-    from every PS task (the option, else TF_CONFIG's cluster, else 1), a PS task's link
-    carries each of its tensors that many times per step, so a worker's transfers take the
-    longer of its own bytes over its link and the busiest PS link's bytes over the PS link.
+    Transfer times are bytes (the profile's where it has them) over the link's bandwidth,
+    pulls from and pushes to each PS task; compute times come from the profile, else from
+    static FLOP estimates at ``options.flops`` (this host's measured rate when 0); the link
+    is the plan's. ``workers`` workers (the option, else TF_CONFIG's cluster, else 1) pull
+    from and push to every PS task, so its link carries each tensor that many times per
+    step in each direction. A training step's forward pass is FORWARD_SHARE of its
+    compute.
     """
     if not plan.orders:
         return None
@@ -399,21 +419,50 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
     ps_jobs = {parse_device_spec(spec).get("job") for spec in options.ps_devices.split(",")
                if spec.strip()} - {None}
     workers = options.workers or cluster_workers(ps_jobs or {"ps"}) or 1
+    pushes = _push_bytes(graph_def, model, devices, plan)
     best = None
     for destination, order in plan.orders.items():
         # Bytes over the link, not the profile's transfer times: those overlap, and each
         # includes the time it waited for the others.
-        per_ps_task: dict[str, float] = {}
+        pulls: dict[str, float] = {}
         for t in order:
             name = model.names[plan.transfers[t].source]
             size = profile.transfer_bytes.get(name) if profile is not None else None
             task = task_of(devices[plan.transfers[t].source])
-            per_ps_task[task] = per_ps_task.get(task, 0.0) + (
-                size if size is not None else plan.sizes[t])
-        comm = max(sum(per_ps_task.values()), workers * max(per_ps_task.values(), default=0.0)
-                   ) / bandwidth
-        estimate = GainEstimate(destination, comm, comp.get(destination, 0.0), figures,
-                                workers)
+            pulls[task] = pulls.get(task, 0.0) + (size if size is not None else plan.sizes[t])
+        pushed = pushes.get(destination, {})
+        compute = comp.get(destination, 0.0)
+
+        def predict(link_factor=1.0, compute_factor=1.0):
+            forward_share = FORWARD_SHARE if pushed else 1.0
+            return predict_steps(pulls, pushed, workers, bandwidth * link_factor,
+                                 compute * compute_factor * forward_share,
+                                 compute * compute_factor * (1 - forward_share))
+
+        factors = (1 / DECISION_MARGIN, 1.0, DECISION_MARGIN)
+        low_gain = min(predict(link, work).gain for link in factors for work in factors)
+        estimate = GainEstimate(destination, predict(), compute, figures, low_gain)
         if best is None or estimate.gain > best.gain:
             best = estimate
     return best
+
+
+def _push_bytes(graph_def, model: GraphModel, devices: list[str], plan: TransferPlan
+                ) -> dict[str, dict[str, float]]:
+    """Destination device -> PS task -> bytes it sends to that PS task per step (the
+    gradients a training step pushes; nothing in inference)."""
+    ps_devices = {devices[plan.transfers[t].source] for t in range(len(plan.transfers))}
+    pushed: dict[str, dict[str, float]] = {}
+    sent = set()
+    for consumer, device in enumerate(devices):
+        if device not in ps_devices:
+            continue
+        for producer, slot in model.data_inputs[consumer]:
+            source = devices[producer]
+            if source not in plan.orders or (producer, slot, device) in sent:
+                continue
+            sent.add((producer, slot, device))   # a tensor goes to a device once
+            size = edge_bytes(graph_def, model, producer, consumer, slot) or 0
+            per_task = pushed.setdefault(source, {})
+            per_task[task_of(device)] = per_task.get(task_of(device), 0.0) + size
+    return pushed

@@ -21,7 +21,8 @@ import numpy as np
 
 from tfoverlap.costs.profile import Profile
 from tfoverlap.graph.devices import DeviceMatcher, task_of
-from tfoverlap.graph.model import RESOURCE_HANDLE_OPS, GraphModel, is_variable_op, tensor_bytes
+from tfoverlap.graph.model import (RESOURCE_HANDLE_OPS, GraphModel, edge_bytes, is_variable_op,
+                                   tensor_bytes)
 from tfoverlap.options import parse_options
 from tfoverlap.planning.tictac import plan_transfer_order
 from tfoverlap.sim.engine import COMPUTE, TRANSFER, Problem, lower_bound, serial_sum, simulate
@@ -153,14 +154,7 @@ class _PsGraph:
         name = model.names[producer]
         if name in profiled:
             return float(profiled[name])
-        size = tensor_bytes(graph_def, model, producer)
-        if size is None:
-            # A gradient pushed to its apply op: as large as the variable it updates.
-            for source, _ in model.data_inputs[consumer]:
-                if is_variable_op(model.ops[source]):
-                    size = tensor_bytes(graph_def, model, source)
-                    break
-        return float(size or 0)
+        return float(edge_bytes(graph_def, model, producer, consumer) or 0)
 
 
 def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
