@@ -97,7 +97,7 @@ def _task_of(device: str) -> str:
 
 def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", config=None,
                      deadline: float | None = None, probe_bytes: int = PROBE_BYTES,
-                     repeats: int = 3, on_result=None) -> dict:
+                     repeats: int = 5, on_result=None) -> dict:
     """Measures the link from each of ``ps_tasks`` to ``worker_device`` (the session's own
     device where empty) through ``target``, in one probe session with ``config``'s
     settings (:func:`_probe_config`). Returns task -> (bytes/s, round trip s), or task ->
@@ -118,17 +118,23 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
                 fetches[task] = tf.reduce_sum(values)
     results = {}
 
-    def timed(session, fetch, count, runs=repeats):
-        times = []
-        for _ in range(runs + 1):                    # the first is a warm-up
-            remaining_ms = int((deadline - time.monotonic()) * 1e3)
-            if remaining_ms <= 0:
-                raise TimeoutError("out of time")
-            options = tf.compat.v1.RunOptions(timeout_in_ms=remaining_ms)
-            began = time.perf_counter()
-            session.run(fetch, feed_dict={size: count}, options=options)
-            times.append(time.perf_counter() - began)
-        return statistics.median(times[1:])
+    def run_once(session, fetch, count) -> float:
+        remaining_ms = int((deadline - time.monotonic()) * 1e3)
+        if remaining_ms <= 0:
+            raise TimeoutError("out of time")
+        options = tf.compat.v1.RunOptions(timeout_in_ms=remaining_ms)
+        began = time.perf_counter()
+        session.run(fetch, feed_dict={size: count}, options=options)
+        return time.perf_counter() - began
+
+    def medians(session, runs: list[tuple], rounds: int) -> list[float]:
+        """Median seconds of each (fetch, count), the runs taken in turn round after round
+        (a load that comes and goes then weighs on all alike), after one warm-up round."""
+        for fetch, count in runs:
+            run_once(session, fetch, count)
+        times = [[run_once(session, fetch, count) for fetch, count in runs]
+                 for _ in range(rounds)]
+        return [statistics.median(column) for column in zip(*times)]
 
     _measuring.active = True
     try:
@@ -137,15 +143,15 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
             local = fetches[worker_device or None]
             for task in ps_tasks:
                 try:
-                    round_trip = timed(s, fetches[task], 1)
-                    # a 1 MiB fetch sizes the others to about PROBE_TRANSFER_SECONDS
-                    rough = timed(s, fetches[task], 2 ** 18, runs=1)
+                    remote = fetches[task]
+                    round_trip, rough = medians(s, [(remote, 1), (remote, 2 ** 18)], 1)
+                    # the 1 MiB fetch sizes the others to about PROBE_TRANSFER_SECONDS
                     rough_rate = 2 ** 20 / max(rough - round_trip, 1e-6)
                     count = int(min(max(rough_rate * PROBE_TRANSFER_SECONDS / 2, 2 ** 20),
                                     probe_bytes / 2)) // 4
-                    smaller, larger = (timed(s, fetches[task], n) for n in (count, 2 * count))
-                    local_smaller, local_larger = (timed(s, local, n)
-                                                   for n in (count, 2 * count))
+                    round_trip, smaller, larger, local_smaller, local_larger = medians(
+                        s, [(remote, 1), (remote, count), (remote, 2 * count), (local, count),
+                            (local, 2 * count)], repeats)
                     result = (link_from_timings(count * 4, smaller, larger, local_smaller,
                                                 local_larger), round_trip)
                 except ImplausibleLink as error:
