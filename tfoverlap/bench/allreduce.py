@@ -214,19 +214,14 @@ def _plot_steps(result: dict, path: str) -> None:
     """Rank 0's median traced step of Horovod's defaults and of each Caramel variant:
     compute, and the reductions (Horovod's timeline), in emulated time."""
     from tfoverlap.bench import report
-    scale = 1.0 / result.get("dilation", 1.0)
-    figures = {}
-    for variant, figure in result.get("figure_steps", {}).items():
-        if variant in ("horovod", *CARAMEL_VARIANTS):
-            figures[variant] = {
-                "seconds": figure["seconds"] * scale,
-                "compute": [[n, b * scale, d * scale] for n, b, d in figure["compute"]],
-                "transfers": [[n, b * scale, d * scale, size]
-                              for n, b, d, size in figure["transfers"]]}
+    figures = {variant: figure for variant, figure in result.get("figure_steps", {}).items()
+               if variant in ("horovod", *CARAMEL_VARIANTS)}
     if figures:
-        report.plot_timelines(figures, f"{result['model']}, {result['ranks']} ranks, "
-                              f"{link_name(result['bandwidth'])}: compute and reductions",
-                              path, transfer_label="reductions")
+        title = f"{result['model']}, {result['ranks']} ranks, {link_name(result['bandwidth'])}"
+        if result.get("emulate"):
+            title += f" (emulated {result['emulate']})"
+        report.plot_timelines(figures, title + ": compute and reductions", path,
+                              transfer_label="reductions", dilation=result.get("dilation", 1.0))
 
 
 def _tail(path: str, lines: int = 2) -> list[str]:
