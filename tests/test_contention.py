@@ -25,8 +25,17 @@ def test_a_saturated_ps_link_makes_the_default_drift_and_ordering_lose():
                           bandwidth=100 * MB, forward_seconds=0.1, backward_seconds=0.2)
     assert steps.pull_seconds == steps.push_seconds == pytest.approx(4.0)
     assert steps.saturated
-    assert steps.default == steps.default_drift == pytest.approx(4.0)
-    assert steps.ordered == pytest.approx(8.0) and steps.gain == pytest.approx(-1.0)
+    # drifted: T = 2 p + 0.1 with p = 1 / (1 - 3 / T), i.e. T^2 - 5.1 T + 0.3 = 0
+    drifted = (5.1 + (5.1 ** 2 - 1.2) ** 0.5) / 2
+    assert steps.default == steps.default_drift == pytest.approx(drifted)
+    assert steps.ordered == pytest.approx(8.0)
+    assert steps.gain == pytest.approx((drifted - 8.0) / drifted)
+
+
+def test_one_worker_has_no_one_to_drift_from():
+    steps = predict_steps({"ps:0": 100 * MB}, {"ps:0": 100 * MB}, workers=1,
+                          bandwidth=100 * MB, forward_seconds=0.1, backward_seconds=0.2)
+    assert steps.default_drift == pytest.approx(steps.default_lock) == pytest.approx(2.1)
 
 
 def test_a_ps_task_per_worker_keeps_the_workers_in_lock_step_and_ordering_gains():

@@ -17,9 +17,13 @@ How the workers' phases line up decides what that costs:
   backward)``.
 - *Default, drifted.* Where a PS link direction is busier per step than one worker's own
   step would take alone, queues form and the workers drift apart: one worker's pushes use
-  the link's other direction while the others still pull, and a step takes the busier
-  direction's time. Ordering then pulls them back into lock step, where each direction
-  idles half the step: it loses.
+  the link's other direction while the others still pull. A worker's pull then shares the
+  link with the others that happen to be pulling, each for the share of the step it
+  spends pulling, and likewise its push: ``p = own_p + (workers - 1) * ps_p * p / T`` (its
+  own pull time ``own_p``, one worker's time on the busiest PS link ``ps_p``), and a step
+  ``T = p + forward + max(q, backward)``, solved for T; at least the busier direction's
+  time. Ordering pulls the workers back into lock step, where each direction idles while
+  the other works: there it can lose.
 
 TicTac's gain estimate steps aside where the default it would replace is the faster one.
 """
@@ -89,8 +93,41 @@ def predict_steps(pull_bytes: dict[str, float], push_bytes: dict[str, float], wo
     pulls, pushes = busiest(pull_bytes, workers), busiest(push_bytes, workers)
     own_pulls, own_pushes = busiest(pull_bytes, 1), busiest(push_bytes, 1)
     alone = own_pulls + forward_seconds + max(own_pushes, backward_seconds)
+    drifted = _drifted_step(own_pulls, own_pushes,
+                            max(pull_bytes.values(), default=0.0) / bandwidth,
+                            max(push_bytes.values(), default=0.0) / bandwidth,
+                            workers, forward_seconds, backward_seconds)
     return StepPrediction(
         ordered=max(pulls, forward_seconds) + max(pushes, backward_seconds),
         default_lock=pulls + forward_seconds + max(pushes, backward_seconds),
-        default_drift=max(pulls, pushes, alone),
+        default_drift=max(pulls, pushes, drifted),
         pull_seconds=pulls, push_seconds=pushes, alone_seconds=alone, workers=workers)
+
+
+def _drifted_step(own_pull: float, own_push: float, ps_pull: float, ps_push: float,
+                  workers: int, forward: float, backward: float) -> float:
+    """The step T of drifted workers: T = p(T) + forward + max(q(T), backward), where a
+    pull of ``own_pull`` seconds alone takes p = own_pull / (1 - (workers-1) ps_pull / T)
+    among the others' pulls (and a push likewise). The right side falls as T grows, so
+    the one solution is found by bisection."""
+    others = workers - 1
+
+    def stretched(alone: float, share: float, step: float) -> float:
+        return alone / (1.0 - others * share / step) if alone > 0 else 0.0
+
+    def excess(step: float) -> float:
+        return (stretched(own_pull, ps_pull, step) + forward
+                + max(stretched(own_push, ps_push, step), backward) - step)
+
+    low = others * max(ps_pull, ps_push)
+    high = max(low, 1e-12) * 2 + own_pull + forward + max(own_push, backward)
+    while excess(high) > 0:
+        high *= 2
+    low = max(low * (1 + 1e-12), 1e-15)
+    for _ in range(100):
+        middle = (low + high) / 2
+        if excess(middle) > 0:
+            low = middle
+        else:
+            high = middle
+    return high
