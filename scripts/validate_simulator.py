@@ -8,6 +8,13 @@ error and the worst error per variant; ``--markdown`` writes it for docs/benchma
 Runs on emulated accelerators are compared in emulated time (the simulator gets the
 shaped link rate and one compute stream; the profile holds the emulated kernels' times).
 
+Each row also says which phase the simulator assumed for the workers (lock step or drifted
+apart, see tfoverlap/sim/ps.py) and the measured medians of the first step of every block
+and of the later ones: the benchmark starts every block on all workers at once, so its
+first steps run in lock step, and the workers drift apart only after that. The simulator
+does not model a PS task on every worker's host (the "colocated" layout): such runs are
+simulated with dedicated PS hosts, and the table marks them.
+
     .venv/bin/python scripts/validate_simulator.py out/benchmarks [--markdown FILE]
 """
 import argparse
@@ -33,8 +40,8 @@ def main(argv=None) -> int:
     from tfoverlap.sim.whatif import Scenario, predict
     with open(os.path.join(args.results, "results.json")) as stream:
         results = json.load(stream)
-    lines = ["| model | mode | workers | variant | measured s | predicted s | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | mode | workers | PS | variant | phase | measured s | first / later "
+             "steps s | predicted s | error |", "|---|---|---|---|---|---|---|---|---|---|"]
     errors, seconds, worst = [], [], {}
     for result in results:
         config = result["config"]
@@ -66,13 +73,18 @@ def main(argv=None) -> int:
         for prediction in predictions:
             if prediction.algorithm not in result["times"]:
                 continue
-            measured = statistics.median(result["times"][prediction.algorithm]) / dilation
+            times = result["times"][prediction.algorithm]
+            measured = statistics.median(times) / dilation
             predicted = prediction.iteration / dilation
             error = (predicted - measured) / measured
             errors.append(abs(error))
             worst[prediction.algorithm] = max(worst.get(prediction.algorithm, 0.0), abs(error))
-            lines.append(f"| {config['model']} | {mode} | {config['num_workers']} | "
-                         f"{prediction.algorithm} | {measured:.3f} | {predicted:.3f} | "
+            ps = str(config["num_ps"]) + (" colocated" if config.get("layout") == "colocated"
+                                          else "")
+            blocks = result.get("blocks", {}).get(prediction.algorithm)
+            lines.append(f"| {config['model']} | {mode} | {config['num_workers']} | {ps} | "
+                         f"{prediction.algorithm} | {prediction.phase} | {measured:.3f} | "
+                         f"{block_steps(times, blocks, dilation)} | {predicted:.3f} | "
                          f"{100 * error:+.1f}% |")
     summary = (f"median absolute error {100 * statistics.median(errors):.1f}% over "
                f"{len(errors)} predictions (max {100 * max(errors):.1f}%; worst per variant: "
@@ -84,6 +96,19 @@ def main(argv=None) -> int:
         with open(args.markdown, "w") as stream:
             stream.write(table)
     return 0
+
+
+def block_steps(times: list[float], blocks: list[list[float]] | None, dilation: float) -> str:
+    """The median of the first step of every worker's block and of its other steps, as
+    "first / later" (``times`` holds each worker's steps block after block, ``blocks`` one
+    entry per worker and block); "" where the run did not keep its blocks."""
+    answers = sum(len(block) for block in blocks or [])
+    if not answers or len(times) % answers:
+        return ""
+    steps = len(times) // answers
+    first = statistics.median(times[::steps]) / dilation
+    later = [t for k, t in enumerate(times) if k % steps]
+    return f"{first:.3f} / {statistics.median(later) / dilation:.3f}" if later else f"{first:.3f}"
 
 
 if __name__ == "__main__":

@@ -446,11 +446,11 @@ def _simulate(args) -> int:
           f"{'profile ' + args.profile if profile else 'sizes only (no profile: compute is free)'}")
     baseline = next((p.iteration for p in predictions if p.algorithm == "default"), None)
     print(f"{'algorithm':<10}{'iteration s':>12}{'comm s':>9}{'comp s':>9}{'E':>7}"
-          f"{'bound s':>9}{'gain':>8}")
+          f"{'bound s':>9}{'gain':>8}  {'workers' if predictions[0].phase else ''}")
     for p in predictions:
         gain = f"{baseline / p.iteration:.2f}x" if baseline else ""
         print(f"{p.algorithm:<10}{p.iteration:>12.4f}{p.comm:>9.4f}{p.comp:>9.4f}"
-              f"{p.efficiency:>7.2f}{p.lower:>9.4f}{gain:>8}")
+              f"{p.efficiency:>7.2f}{p.lower:>9.4f}{gain:>8}  {p.phase}".rstrip())
     return 0
 
 
@@ -469,11 +469,15 @@ def _sweep(graph_def, profile, args) -> int:
         predictions = _predict(graph_def, _scenario(args, **override), args, profile)
         rows.append((value, predictions))
     algorithms = [p.algorithm for p in rows[0][1]]
-    print(f"{key:>10}" + "".join(f"{a + ' s':>12}" for a in algorithms) + f"{'best gain':>11}")
+    phases = rows[0][1][0].phase
+    print(f"{key:>10}" + "".join(f"{a + ' s':>12}" for a in algorithms) + f"{'best gain':>11}"
+          + (f"  {'':<8}  workers ({', '.join(algorithms)})" if phases else ""))
     for value, predictions in rows:
-        times = [p.iteration for p in predictions]
-        gain = times[0] / min(times) if algorithms[0] == "default" else float("nan")
-        print(f"{value:>10}" + "".join(f"{t:>12.4f}" for t in times) + f"{gain:>10.2f}x")
+        best = min(predictions, key=lambda p: p.iteration)
+        gain = (f"{predictions[0].iteration / best.iteration:>10.2f}x {best.algorithm:<8}"
+                if algorithms[0] == "default" else f"{'':>20}")
+        print(f"{value:>10}" + "".join(f"{p.iteration:>12.4f}" for p in predictions) + gain
+              + (f"  {', '.join(p.phase for p in predictions)}" if phases else ""))
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
@@ -542,7 +546,8 @@ def _parser() -> argparse.ArgumentParser:
                                "caramel (Horovod graphs)")
     simulate.add_argument("--workers", type=int, default=2)
     simulate.add_argument("--ps", type=int, default=0,
-                          help="spread the variables over this many PS tasks (default: as placed)")
+                          help="spread the variables over this many PS tasks, for the "
+                               "simulation and the TicTac plan alike (default: as placed)")
     simulate.add_argument("--bandwidth", default="2.5Gbit", help="per link, e.g. 10Gbit")
     simulate.add_argument("--latency-us", type=float, default=100.0)
     simulate.add_argument("--threads", type=int, default=2, help="a worker's inter-op threads")

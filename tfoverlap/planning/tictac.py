@@ -13,6 +13,7 @@ Since each gate needs only earlier transfers, the edges can never close a cycle.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 
@@ -66,6 +67,7 @@ class _Costs:
         self.graph_def, self.model = graph_def, model
         self.estimated_transfers = 0
         self.estimated_ops = 0
+        self.unprofiled: collections.Counter[str] = collections.Counter()   # op type -> ops
 
     def check_matches(self, transfers: list[Transfer]) -> None:
         if self.profile is None:
@@ -91,15 +93,28 @@ class _Costs:
         if self.profile is not None and self.model.names[node] in self.profile.op_seconds:
             return self.profile.op_seconds[self.model.names[node]]
         self.estimated_ops += 1
+        if self.profile is not None:
+            self.unprofiled[self.model.ops[node]] += 1
         return 0.0
 
     def note_estimates(self) -> None:
         if not (self.estimated_transfers or self.estimated_ops):
             return
-        source = (f"profile {self.options.profile!r}" if self.profile is not None
-                  else "no profile given")
-        message = (f"tfoverlap: TAC {source}: estimated {self.estimated_transfers} transfer "
-                   f"times from size/bandwidth and {self.estimated_ops} op times as zero")
+        if self.profile is None:
+            warn_once(f"tfoverlap: TAC without a profile: {self.estimated_transfers} transfer "
+                      f"times from size/bandwidth, {self.estimated_ops} op times taken as zero")
+            return
+        kinds = ", ".join(f"{count} {op}" for op, count in self.unprofiled.most_common(5))
+        if len(self.unprofiled) > 5:
+            kinds += ", ..."
+        message = (f"tfoverlap: TAC profile {self.options.profile!r}: {self.estimated_ops} ops "
+                   f"have no time in it ({kinds}) and count as zero: they did not run under "
+                   "their names in the profiled steps (not needed by the fetches, or removed, "
+                   "folded or fused by TensorFlow's optimizers: a fused op's time is under "
+                   "the name it kept, e.g. a Conv2D's under its BiasAdd)")
+        if self.estimated_transfers:
+            message += (f"; {self.estimated_transfers} transfer times estimated from "
+                        "size/bandwidth")
         warn_once(message)
 
 

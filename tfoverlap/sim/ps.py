@@ -1,36 +1,111 @@
 """What-if simulation of a parameter-server graph: from a GraphDef to the simulator's tasks.
 
-One worker is simulated in full; the other ``workers - 1`` are assumed to do the same at
-the same time, so each PS task's link is shared by all of them: its bandwidth per worker
-is ``bandwidth / workers`` (the testbed's two workers pulling from one PS showed exactly
-this sharing). Compute times come from a profile (``tfoverlap.profile``) by node name;
-ops it lacks cost nothing, and transfers it lacks are sized from the graph.
+One worker is simulated in full; the other ``workers - 1`` do the same work and share
+every PS task's link with it. The link is full duplex: pulls (PS to worker) use one
+direction, pushed gradients (worker to PS) the other, and a worker's own link carries
+only its own transfers. How much of each PS link direction the simulated worker gets
+depends on how the workers' phases line up; :mod:`tfoverlap.costs.contention` decides
+which case applies, by the rule TicTac's gain estimate uses:
+
+- *Lock step* (TIC and TAC always, as the contention model assumes: the same order on
+  every worker keeps them pulling together, computing together and pushing together;
+  TensorFlow's default where no PS link direction carries more per step than one
+  worker's own step takes): while the simulated worker moves data, all the others move
+  theirs in the same direction, so each PS link direction gives it ``bandwidth /
+  workers``.
+- *Drifted* (TensorFlow's default where a PS link direction is saturated): the workers
+  drift apart, so the others' transfers are spread over the simulated worker's step:
+  each direction of PS task k's link carries, on average, ``(workers - 1) * bytes_k /
+  step`` of theirs, and the simulated worker gets the rest. The step is the fixed point:
+  the ``step`` whose leftover bandwidth makes the simulated step last ``step``. It is never
+  shorter than the busier direction's bytes of all workers over the bandwidth, and longer
+  where one worker cannot keep both directions busy.
+
+Compute times come from a profile (``tfoverlap.profile``) by node name. Ops it lacks cost
+nothing: in a profiled run most of them did not exist under their names (TensorFlow's
+optimizers removed Identity and NoOp nodes, folded constants, and fused ops such as a
+Conv2D into the BiasAdd after it, whose profiled time then holds both). Transfers the
+profile lacks are sized from the graph.
 
 Variants: ``default`` (TensorFlow: every transfer requested at once, one PS link sends
 them one at a time in a random order; the result is the median over ``seeds`` orders),
 ``tic`` and ``tac`` (the order the TicTac pass plans, enforced the way the pass does: the
 reads of release group j+window wait for the arrival of every transfer of group j, or for
-the consumer the plan gates on, plus the control message back to the PS).
+the consumer the plan gates on, plus the control message back to the PS). With
+``ps_tasks`` the variables are first spread over that many PS tasks in a copy of the graph,
+which both the simulation and the TicTac plan see, as the pass would see a cluster placed
+that way.
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
+from typing import Callable
 
 import numpy as np
 
+from tfoverlap.costs.contention import FORWARD_SHARE, StepPrediction, predict_steps
 from tfoverlap.costs.profile import Profile
-from tfoverlap.graph.devices import DeviceMatcher, task_of
+from tfoverlap.graph.devices import DeviceMatcher, parse_device_spec, task_of
 from tfoverlap.graph.model import (RESOURCE_HANDLE_OPS, GraphModel, edge_bytes, is_variable_op,
                                    tensor_bytes)
 from tfoverlap.options import parse_options
 from tfoverlap.planning.tictac import plan_transfer_order
 from tfoverlap.sim.engine import COMPUTE, TRANSFER, Problem, lower_bound, serial_sum, simulate
-from tfoverlap.sim.scenario import Prediction, Scenario, SimulationError
+from tfoverlap.sim.scenario import (ALONE, DRIFTED, LOCK_STEP, Prediction, Scenario,
+                                    SimulationError)
 
-__all__ = ["PS_ALGORITHMS", "predict_ps"]
+__all__ = ["PS_ALGORITHMS", "predict_ps", "spread_variables"]
 
 PS_ALGORITHMS = ("default", "tic", "tac")
+
+#: the drifted step's fixed point is found to this share of itself (the median over the
+#: default's random orders moves in small jumps), in at most this many rounds.
+_FIXED_POINT_TOLERANCE = 1e-3
+_FIXED_POINT_ROUNDS = 16
+
+
+def spread_variables(graph_def, ps_devices: str, num_tasks: int):
+    """A copy of ``graph_def`` with its variables on PS tasks 0..num_tasks-1 of their job:
+    largest first, each to the least loaded task; every other PS-side node goes where the
+    variable it uses goes (task 0 if it uses none)."""
+    model = GraphModel.from_graph_def(graph_def)
+    devices = model.colocated_devices()
+    is_ps = DeviceMatcher(ps_devices)
+    root = {}
+    for node in range(model.num_nodes):
+        if not (devices[node] and is_ps(devices[node])):
+            continue
+        if is_variable_op(model.ops[node]):
+            root[node] = node
+        else:
+            root[node] = next((p for p, _ in model.data_inputs[node]
+                               if is_variable_op(model.ops[p])), None)
+    variables = sorted({r for r in root.values() if r is not None},
+                       key=lambda v: -(tensor_bytes(graph_def, model, v) or 0))
+    load = [0] * num_tasks
+    task_of_variable = {}
+    for variable in variables:
+        task = load.index(min(load))
+        task_of_variable[variable] = task
+        load[task] += tensor_bytes(graph_def, model, variable) or 0
+    spread = type(graph_def)()
+    spread.CopyFrom(graph_def)
+    for node, variable in root.items():
+        device = _on_task(devices[node], task_of_variable.get(variable, 0))
+        if not is_ps(device):
+            raise SimulationError(f"cannot spread the variables over {num_tasks} PS tasks: "
+                                  f"{device} is not one of the PS devices {ps_devices!r}")
+        spread.node[node].device = device
+    return spread
+
+
+def _on_task(device: str, task: int) -> str:
+    fields = {**parse_device_spec(device), "task": str(task)}
+    name = "".join(f"/{key}:{fields[key]}" for key in ("job", "replica", "task") if key in fields)
+    if "type" in fields:
+        name += f"/device:{fields['type']}:{fields.get('index', '0')}"
+    return name
 
 
 @dataclasses.dataclass
@@ -51,19 +126,21 @@ class _Tasks:
 
 
 class _PsGraph:
-    """The simulated worker's part of a PS graph as tasks, with its transfers marked."""
+    """The simulated worker's part of a PS graph as tasks, with its transfers marked, and
+    the bytes it pulls from (``pull_bytes[k]``) and pushes to (``push_bytes[k]``) each PS
+    task k per step. Hosts 0..num_ps-1 are the PS tasks, host num_ps the worker."""
 
     def __init__(self, graph_def, scenario: Scenario, profile: Profile | None):
         self.model = model = GraphModel.from_graph_def(graph_def)
         devices = model.colocated_devices()
         is_ps = DeviceMatcher(scenario.ps_devices)
-        ps_tasks = sorted({task_of(d) for d in devices if d and is_ps(d)})
+        self.ps_tasks = ps_tasks = sorted({task_of(d) for d in devices if d and is_ps(d)})
         if not ps_tasks:
             raise SimulationError(f"the graph has no node on a PS device ({scenario.ps_devices}); "
                                   "is it a parameter-server graph? (see --ps-devices)")
         workers = sorted({d for d in devices if d and not is_ps(d)})
         self.worker_device = workers[0] if workers else ""
-        self.num_ps = scenario.ps_tasks or len(ps_tasks)
+        self.num_ps = len(ps_tasks)
         worker_host = self.num_ps
         host = []
         for device in devices:
@@ -73,9 +150,6 @@ class _PsGraph:
                 host.append(worker_host)
             else:
                 host.append(-1)   # another worker's node: not simulated
-        if scenario.ps_tasks:
-            self._spread_variables(graph_def, host, devices, is_ps, scenario.ps_tasks)
-        self.host = host
         op_seconds = profile.op_seconds if profile else {}
         tasks = _Tasks()
         node_task = [-1] * model.num_nodes
@@ -87,6 +161,8 @@ class _PsGraph:
         self.channels: list[tuple[int, int]] = []
         channel_index: dict[tuple[int, int], int] = {}
         self.pull_of_source: dict[int, int] = {}    # PS source node -> its pull transfer
+        self.pull_bytes = np.zeros(self.num_ps)
+        self.push_bytes = np.zeros(self.num_ps)
         transfer_of: dict[tuple[int, int], int] = {}
         transfer_bytes = profile.transfer_bytes if profile else {}
         for consumer in range(model.num_nodes):
@@ -108,6 +184,10 @@ class _PsGraph:
                     size = 0.0
                     if producer in data:
                         size = self._bytes(graph_def, producer, consumer, transfer_bytes)
+                    if link[1] == worker_host:
+                        self.pull_bytes[link[0]] += size
+                    elif link[0] == worker_host:
+                        self.push_bytes[link[1]] += size
                     transfer = tasks.add(TRANSFER, channel_index[link], size)
                     tasks.successors[node_task[producer]].append(transfer)
                     transfer_of[key] = transfer
@@ -125,30 +205,6 @@ class _PsGraph:
                     f"the profile does not match this graph: only {known} of its {len(names)} "
                     f"transfers (e.g. {names[0]!r}) are in it; profile this model again")
 
-    def _spread_variables(self, graph_def, host, devices, is_ps, num_tasks: int) -> None:
-        """What if the variables lived on ``num_tasks`` PS tasks: largest first, each to
-        the least loaded task; PS ops go where the variable they use goes."""
-        model = self.model
-        root = {}
-        for node in range(model.num_nodes):
-            if not (devices[node] and is_ps(devices[node])):
-                continue
-            if is_variable_op(model.ops[node]):
-                root[node] = node
-            else:
-                root[node] = next((p for p, _ in model.data_inputs[node]
-                                   if is_variable_op(model.ops[p])), None)
-        variables = sorted({r for r in root.values() if r is not None},
-                           key=lambda v: -(tensor_bytes(graph_def, model, v) or 0))
-        load = [0] * num_tasks
-        task_of = {}
-        for variable in variables:
-            task = load.index(min(load))
-            task_of[variable] = task
-            load[task] += tensor_bytes(graph_def, model, variable) or 0
-        for node, variable in root.items():
-            host[node] = task_of.get(variable, 0)
-
     def _bytes(self, graph_def, producer: int, consumer: int, profiled: dict) -> float:
         model = self.model
         name = model.names[producer]
@@ -157,7 +213,38 @@ class _PsGraph:
         return float(edge_bytes(graph_def, model, producer, consumer) or 0)
 
 
-def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
+@dataclasses.dataclass(frozen=True)
+class _Links:
+    """Bytes/s of each host's link per direction, as the simulated worker sees them."""
+
+    egress: np.ndarray
+    ingress: np.ndarray
+
+
+def _lock_step_links(graph: _PsGraph, scenario: Scenario) -> _Links:
+    """Every worker moves data when the simulated one does, in the same direction: each
+    PS link direction gives each worker 1/workers of it."""
+    share = np.full(graph.num_ps, scenario.bandwidth / scenario.workers)
+    return _with_worker_link(share, share, scenario)
+
+
+def _drifted_links(graph: _PsGraph, scenario: Scenario, step: float) -> _Links:
+    """The others' average load at one step per ``step`` seconds taken off each PS link
+    direction (``step`` at least the busiest direction's bytes of all workers over the
+    bandwidth, so every worker keeps at least 1/workers of it)."""
+    others = scenario.workers - 1
+    return _with_worker_link(scenario.bandwidth - others * graph.pull_bytes / step,
+                             scenario.bandwidth - others * graph.push_bytes / step, scenario)
+
+
+def _with_worker_link(ps_egress: np.ndarray, ps_ingress: np.ndarray,
+                      scenario: Scenario) -> _Links:
+    worker = [float(scenario.bandwidth)]
+    return _Links(egress=np.concatenate([ps_egress, worker]),
+                  ingress=np.concatenate([ps_ingress, worker]))
+
+
+def _problem(graph: _PsGraph, scenario: Scenario, priority, links: _Links, extra_edges=(),
              compute_scale: float = 1.0, transfer_scale: float = 1.0) -> Problem:
     tasks = graph.tasks
     successors = [list(s) for s in tasks.successors]
@@ -167,14 +254,12 @@ def _problem(graph: _PsGraph, scenario: Scenario, priority, extra_edges=(),
     work = np.array(tasks.work, dtype=float)
     work[kind == COMPUTE] *= compute_scale
     work[kind == TRANSFER] *= transfer_scale
-    hosts = graph.num_ps + 1
-    link = np.full(hosts, float(scenario.bandwidth))
-    link[:graph.num_ps] /= scenario.workers
     return Problem(kind=kind, resource=np.array(tasks.resource), work=work,
                    successors=successors, priority=np.asarray(priority, float),
                    threads=[2] * graph.num_ps + [scenario.threads],
-                   channels=graph.channels, egress=link, ingress=link.copy(),
-                   latency=scenario.latency * transfer_scale, chunk_bytes=scenario.chunk_bytes)
+                   channels=graph.channels, egress=links.egress.copy(),
+                   ingress=links.ingress.copy(), latency=scenario.latency * transfer_scale,
+                   chunk_bytes=scenario.chunk_bytes)
 
 
 def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
@@ -203,15 +288,75 @@ def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
     return edges, len(order)
 
 
+def _contention(graph: _PsGraph, scenario: Scenario, compute_seconds: float) -> StepPrediction:
+    """The contention model's view of this worker's step: its bytes per PS task and
+    direction, and its compute (a training step's forward pass FORWARD_SHARE of it)."""
+    forward = compute_seconds * (FORWARD_SHARE if graph.push_bytes.any() else 1.0)
+    return predict_steps(dict(zip(graph.ps_tasks, graph.pull_bytes)),
+                         dict(zip(graph.ps_tasks, graph.push_bytes)), scenario.workers,
+                         scenario.bandwidth, forward, compute_seconds - forward)
+
+
+def _shortest_step(graph: _PsGraph, scenario: Scenario) -> float:
+    """The busiest PS link direction's bytes of all workers over the bandwidth: however
+    the workers' phases line up, no step is shorter."""
+    return scenario.workers * max(graph.pull_bytes.max(), graph.push_bytes.max()) / (
+        scenario.bandwidth)
+
+
+def _drifted_step(graph: _PsGraph, scenario: Scenario, iteration: Callable[[_Links], float],
+                  lock_step: float) -> tuple[float, _Links]:
+    """The fixed point ``step == iteration(_drifted_links(step))`` and its links.
+
+    ``iteration`` falls as ``step`` grows (the others leave more of each link), so the
+    fixed point is bracketed by the busiest direction's bytes of all workers over the
+    bandwidth (no step is shorter) and the lock-step iteration (the drifted links leave
+    each worker at least its lock-step share); regula falsi with the Illinois rule finds it.
+    """
+    shortest = _shortest_step(graph, scenario)
+    if shortest <= 0:
+        return lock_step, _lock_step_links(graph, scenario)
+
+    def excess(step: float) -> tuple[float, _Links]:
+        links = _drifted_links(graph, scenario, step)
+        return iteration(links) - step, links
+
+    low, (low_excess, low_links) = shortest, excess(shortest)
+    high, (high_excess, high_links) = lock_step, excess(lock_step)
+    if low_excess <= 0 or high_excess >= 0:    # no sign change: an end is the fixed point
+        return (low, low_links) if low_excess <= 0 else (high, high_links)
+    moved = ""
+    for _ in range(_FIXED_POINT_ROUNDS):
+        step = (low * high_excess - high * low_excess) / (high_excess - low_excess)
+        step_excess, links = excess(step)
+        if abs(step_excess) <= _FIXED_POINT_TOLERANCE * step:
+            break
+        if step_excess > 0:
+            low, low_excess = step, step_excess
+            if moved == "low":     # the same end twice: Illinois halves the other's excess
+                high_excess /= 2
+            moved = "low"
+        else:
+            high, high_excess = step, step_excess
+            if moved == "high":
+                low_excess /= 2
+            moved = "high"
+    return step, links
+
+
 def predict_ps(graph_def, scenario: Scenario, algorithms=PS_ALGORITHMS,
                profile: Profile | None = None, profile_path: str = "") -> list[Prediction]:
-    """Predicted iteration time, comm, comp and bounds of each algorithm on a PS graph."""
+    """Predicted iteration time, comm, comp and bounds of each algorithm on a PS graph,
+    and the workers' phase each assumes."""
+    if scenario.ps_tasks:
+        graph_def = spread_variables(graph_def, scenario.ps_devices, scenario.ps_tasks)
     graph = _PsGraph(graph_def, scenario, profile)
     if not graph.pull_of_source:
         raise SimulationError("the graph has no parameter transfers to the worker "
                               f"(PS devices {scenario.ps_devices!r})")
     num_tasks = len(graph.tasks.kind)
     pulls = list(graph.pull_of_source.values())
+    lock_step_links = _lock_step_links(graph, scenario)
     predictions = []
     for algorithm in algorithms:
         if algorithm == "default":
@@ -224,12 +369,25 @@ def predict_ps(graph_def, scenario: Scenario, algorithms=PS_ALGORITHMS,
         else:
             edges, count = _gate_edges(graph, graph_def, scenario, algorithm, profile_path)
             priorities = [np.arange(num_tasks, dtype=float)]
-        makespans = [simulate(_problem(graph, scenario, p, edges)).makespan for p in priorities]
-        problem = _problem(graph, scenario, priorities[0], edges)
-        comm = simulate(_problem(graph, scenario, priorities[0], edges, compute_scale=0.0))
-        comp = simulate(_problem(graph, scenario, priorities[0], edges, transfer_scale=0.0))
+
+        def iteration(links: _Links, priorities=priorities, edges=edges) -> float:
+            return statistics.median(simulate(_problem(graph, scenario, p, links, edges)).makespan
+                                     for p in priorities)
+
+        comp = simulate(_problem(graph, scenario, priorities[0], lock_step_links, edges,
+                                 transfer_scale=0.0))
+        step, links = iteration(lock_step_links), lock_step_links
+        phase = ALONE if scenario.workers == 1 else LOCK_STEP
+        if (algorithm == "default" and phase != ALONE
+                and _contention(graph, scenario, comp.makespan).saturated):
+            phase = DRIFTED
+            step, links = _drifted_step(graph, scenario, iteration, step)
+        problem = _problem(graph, scenario, priorities[0], links, edges)
+        comm = simulate(_problem(graph, scenario, priorities[0], links, edges, compute_scale=0.0))
+        lower = lower_bound(problem)
+        if phase == DRIFTED:   # the drifted links count only the others' average load
+            lower = max(lower, _shortest_step(graph, scenario))
         predictions.append(Prediction(
-            algorithm=algorithm, iteration=statistics.median(makespans),
-            comm=comm.makespan, comp=comp.makespan, lower=lower_bound(problem),
-            upper=serial_sum(problem), transfers=count))
+            algorithm=algorithm, iteration=step, comm=comm.makespan, comp=comp.makespan,
+            lower=lower, upper=serial_sum(problem), transfers=count, phase=phase))
     return predictions

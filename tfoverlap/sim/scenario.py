@@ -5,7 +5,11 @@ import dataclasses
 
 from tfoverlap.options import parse_options
 
-__all__ = ["Scenario", "Prediction", "SimulationError"]
+__all__ = ["Scenario", "Prediction", "SimulationError", "ALONE", "LOCK_STEP", "DRIFTED"]
+
+#: how the workers' phases line up in a PS simulation (see tfoverlap.sim.ps): one worker
+#: alone, every worker moving data in the same direction at once, or drifted apart.
+ALONE, LOCK_STEP, DRIFTED = "alone", "lock step", "drifted"
 
 
 class SimulationError(ValueError):
@@ -53,6 +57,7 @@ class Prediction:
     lower: float           # no schedule can beat this
     upper: float           # serial sum
     transfers: int
+    phase: str = ""        # PS graphs: the workers' phases assumed (ALONE, LOCK_STEP, DRIFTED)
 
     @property
     def efficiency(self) -> float:
