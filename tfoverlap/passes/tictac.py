@@ -79,6 +79,7 @@ def tictac_pass(graph_def, context: PassContext) -> PassResult:
 #: pass several times per graph and a program may build it again, and each time the same
 #: graph must be ordered, or not, alike.
 _decisions: dict[tuple, str] = {}
+_MOST_DECISIONS = 1024
 
 
 def _decide(plan, options, estimate) -> str:
@@ -89,6 +90,8 @@ def _decide(plan, options, estimate) -> str:
                              for t, size in zip(plan.transfers, plan.sizes)))
     shape = (options, plan.link, estimate.workers, transfers)
     if shape not in _decisions:
+        if len(_decisions) >= _MOST_DECISIONS:
+            _decisions.clear()
         verdict = "ordered" if estimate.low_gain >= options.min_gain else "declined"
         relation = "at least" if verdict == "ordered" else "below"
         _decisions[shape] = (
