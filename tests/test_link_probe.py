@@ -35,9 +35,12 @@ def test_the_probes_own_work_is_not_counted_as_transfer_time():
         link_probe.link_from_timings(4 * 2 ** 20, 0.011, 0.015, 0.004, 0.0081)
 
 
-def test_a_probe_that_cannot_measure_is_remembered_and_the_plan_says_why():
+def test_a_probe_that_cannot_measure_is_remembered_and_the_plan_says_why(monkeypatch):
     """A graph on a PS task that never started: the probe gives up within its time, the
     next session start does not probe again, and TicTac's link line says why it assumed."""
+    from tfoverlap.costs import host
+    monkeypatch.setattr(host, "_links", {})           # what earlier tests measured
+    monkeypatch.setattr(host, "_link_failures", {})
     with LocalCluster(num_ps=1, num_workers=1) as cluster:
         cluster.spec["ps"].append(f"127.0.0.1:{_unused_port()}")    # ps task 1: never up
         cluster.start_worker_in_process(0)
