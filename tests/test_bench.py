@@ -61,6 +61,25 @@ def test_small_benchmark_end_to_end(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (namespaces, tc)")
+def test_a_colocated_benchmark_runs_a_ps_task_on_every_workers_host(tmp_path):
+    config = ps.Configuration("seq8", training=True, batch=64, bandwidth=125e6, num_ps=2,
+                              num_workers=2, layout="colocated", width=256)
+    result = ps.run_configuration(config, ("default", "tic"), rounds=1, steps=1, traces=1,
+                                  workdir=str(tmp_path / "work"), timeout=300)
+    assert leftovers() == []
+    assert result["network"].startswith("2 network namespaces")
+    # Every worker reads all 8 kernels, 4 from its own host's PS task and 4 over the link.
+    assert result["passes"]["tic"]["transfers"] == 8
+    memory = result["memory"]
+    assert len(memory["ps_started"]) == len(memory["ps_initialized"]) == 2
+    assert len(memory["ps"]) == len(memory["worker"]) == 2
+    assert min(memory["ps"] + memory["worker"]) > 50e6
+    rows = ps.summarize(result)
+    assert [(row["layout"], row["ps"], row["workers"]) for row in rows] == [
+        ("colocated", 2, 2)] * 2
+
+
 def test_bad_benchmark_options_are_one_line_errors(capsys):
     assert ps.main(["--models", "resnet9000"]) == 2
     assert ps.main(["--models", "seq32:sideways"]) == 2
@@ -71,6 +90,26 @@ def test_bad_benchmark_options_are_one_line_errors(capsys):
     assert ps.main(["--emulate", "t1000"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 7 and all(line.startswith("tfoverlap bench: ") for line in errors)
+
+
+def test_the_colocated_layout_takes_a_ps_task_per_worker(capsys):
+    assert ps.main(["--layout", "stacked"]) == 2
+    assert ps.main(["--layout", "colocated", "--workers", "3", "--ps", "2"]) == 2
+    # --ps defaults to the worker count: 4 PS tasks, which tf_recv_scheduling cannot take.
+    assert ps.main(["--layout", "colocated", "--workers", "4"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert "unknown layout 'stacked'" in errors[0]
+    assert "as many PS tasks as workers, got 2 PS tasks and 3 workers" in errors[1]
+    assert "more than one PS task" in errors[2]
+
+
+def test_memory_summary_sets_the_ps_tasks_growth_against_the_parameters():
+    memory = {"ps_started": [400e6, 400e6], "ps_initialized": [420e6, 430e6],
+              "ps": [460e6, 450e6], "worker": [900e6, 950e6]}
+    line = ps.memory_summary(memory, parameter_bytes=102e6)
+    assert ("2 PS tasks 910 MB (450-460 each), 50 MB more than at start-up once "
+            "initialized, 110 MB after the warm-up (parameters: 102 MB); 2 workers 1,850 MB "
+            "(900-950 each); all 2,760 MB") in line
 
 
 class _Variable:
@@ -170,6 +209,20 @@ def test_result_rows_merge_into_the_docs_file(tmp_path):
     rows = json.loads(open(path).read())
     assert [(r["iteration_s"], r.get("ps")) for r in rows if r["link"] == "1Gbit"] == [
         (4.0, None), (5.0, 2)]
+
+
+def test_ps_rows_of_the_two_layouts_merge_as_two_configurations(tmp_path):
+    def row(layout, median):
+        return {"model": "m", "mode": "training", "workers": 4, "link": "25Gbit",
+                "variant": "tic", "median_s": median, "speedup": 1.0, "ci_low": 0.9,
+                "ci_high": 1.1, "ps": 4, **({"layout": layout} if layout else {})}
+    path = str(tmp_path / "ps.json")
+    report.write_result_rows([row(None, 1.0)], path)       # written before layouts existed
+    report.write_result_rows([row("colocated", 2.0)], path, merge=True, command="colocated")
+    report.write_result_rows([row("dedicated", 3.0)], path, merge=True, command="dedicated")
+    rows = json.loads(open(path).read())
+    assert [(r["layout"], r["iteration_s"]) for r in rows] == [("colocated", 2.0),
+                                                                ("dedicated", 3.0)]
 
 
 def test_horovod_rows_carry_the_step_caramel_predicted_for_each_variant(tmp_path):

@@ -198,3 +198,112 @@ def test_horovod_launcher_runs_one_rank_per_host(controller, loopback):
     if not loopback:
         assert reports[0]["netns"] != reports[1]["netns"]
         assert leftovers() == []
+
+
+# ---------------------------------------------------------------- PS cluster layouts
+def test_layouts_say_how_many_hosts_they_take():
+    from tfoverlap.testbed.cluster import LocalCluster, hosts_needed
+    assert hosts_needed(2, 3) == 5
+    assert hosts_needed(4, 4, "colocated") == 4
+    with pytest.raises(ValueError, match="as many PS tasks as workers"):
+        hosts_needed(2, 3, "colocated")
+    with pytest.raises(ValueError, match="unknown layout"):
+        hosts_needed(1, 1, "stacked")
+    cluster = LocalCluster(num_ps=2, num_workers=2, layout="colocated")
+    try:
+        assert cluster.network.num_hosts == 2
+        endpoints = cluster.spec["ps"] + cluster.spec["worker"]
+        assert len(set(endpoints)) == 4
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("name", ["seq7", "par5", "resnet20"])
+def test_models_spread_their_variables_over_the_ps_tasks_by_size(name):
+    """Greedy by bytes, as TF1's load-balancing replica_device_setter: no PS task holds
+    more than the largest variable beyond the least loaded one."""
+    import tensorflow as tf
+    from tfoverlap.testbed.models import build_model
+    model = build_model(name, batch=2, num_ps=3, worker_device="/job:worker/task:0",
+                        training=True, width=64)
+    held, sizes = [0, 0, 0], []
+    for op in model.graph.get_operations():
+        if op.type == "VarHandleOp":
+            sizes.append(tf.TensorShape(op.get_attr("shape")).num_elements()
+                         * tf.as_dtype(op.get_attr("dtype")).size)
+            held[tf.DeviceSpec.from_string(op.device).task] += sizes[-1]
+    assert min(held) > 0 and max(held) - min(held) <= max(sizes), held
+
+
+# Runs in host 0's namespace: builds the model once per worker (between-graph replication),
+# runs one traced training step on each, and says where the variables went and what moved.
+_TRAIN_ONE_STEP_ON_EACH_WORKER = """
+import json, sys
+import tensorflow as tf
+from tfoverlap.costs.trace import recv_events
+from tfoverlap.testbed.models import build_model
+spec = json.loads(sys.argv[1])
+def place(device):
+    parsed = tf.DeviceSpec.from_string(device)
+    return [parsed.job, parsed.task]
+answer = {"variables": [], "moved": []}
+for worker, address in enumerate(spec["worker"]):
+    model = build_model("resnet20", batch=2, num_ps=len(spec["ps"]),
+                        worker_device=f"/job:worker/task:{worker}", training=True)
+    if worker == 0:
+        answer["variables"] = [place(v.device) + [v.shape.num_elements() * v.dtype.size]
+                               for v in model.variables]
+    metadata = tf.compat.v1.RunMetadata()
+    full = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    with tf.compat.v1.Session("grpc://" + address, graph=model.graph) as session:
+        if worker == 0:
+            session.run(model.init)
+        session.run(model.fetch, options=full, run_metadata=metadata)
+    answer["moved"] += [place(e.source_device) + place(e.destination_device) + [e.source]
+                        for e in recv_events(metadata)]
+print(json.dumps(answer))
+"""
+
+
+@needs_root
+def test_colocated_hosts_run_a_worker_and_a_ps_task_and_share_the_model_by_size():
+    from tfoverlap.testbed.cluster import PsCluster
+    with EmulatedNetwork(2, bandwidth=125e6, allow_fallback=False) as network:
+        cluster = PsCluster(network, num_ps=2, num_workers=2, layout="colocated")
+        for host in range(2):
+            assert (cluster.spec["ps"][host].split(":")[0]
+                    == cluster.spec["worker"][host].split(":")[0] == network.address(host))
+        cluster.start_servers(("ps", "worker"))
+        for (job, task), process in cluster.processes.items():
+            where = subprocess.run(["ip", "netns", "identify", str(process.pid)],
+                                   capture_output=True, text=True).stdout.strip()
+            assert where == f"tfo-h{task}", (job, task)
+            with open(f"/proc/{process.pid}/cmdline") as cmdline:
+                assert f"\0{job}\0{task}\0" in cmdline.read()    # the server, not `ip`
+        memory = cluster.resident_memory()
+        assert len(memory["ps"]) == len(memory["worker"]) == 2
+        assert min(memory["ps"] + memory["worker"]) > 50e6     # a TensorFlow server each
+        client = network.spawn(0, [sys.executable, "-c", _TRAIN_ONE_STEP_ON_EACH_WORKER,
+                                   json.dumps(cluster.spec)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        output, errors = client.communicate(timeout=240)
+        assert client.returncode == 0, errors[-3000:]
+    answer = json.loads(output.strip().splitlines()[-1])
+    shard = [0, 0]
+    for job, task, size in answer["variables"]:
+        assert job == "ps"
+        shard[task] += size
+    largest = max(size for _, _, size in answer["variables"])
+    assert min(shard) > 0 and max(shard) - min(shard) <= largest, shard
+    # Every worker read from both PS tasks (at least one read per variable there) and
+    # pushed gradients to both.
+    for worker in range(2):
+        for ps in range(2):
+            reads = {source for *edge, source in answer["moved"]
+                     if edge == ["ps", ps, "worker", worker] and "ReadVariableOp" in source}
+            pushes = [source for *edge, source in answer["moved"]
+                      if edge == ["worker", worker, "ps", ps]]
+            held = sum(1 for _, task, _ in answer["variables"] if task == ps)
+            assert len(reads) >= held, (worker, ps, len(reads), held)
+            assert pushes, (worker, ps)
+    assert leftovers() == []

@@ -1,13 +1,15 @@
 """The parameter-server benchmark: TensorFlow's default vs its recv scheduling vs TIC vs TAC.
 
 For every configuration (model, training or inference) it builds an emulated network
-(one namespace per PS task and worker, tbf-shaped links), starts the PS servers and one
-benchmark worker process per worker (:mod:`tfoverlap.bench.ps_worker`), and then drives
+(tbf-shaped links; ``--layout dedicated``: one namespace per PS task and per worker,
+``--layout colocated``: one per worker, which runs a PS task too), starts the PS servers and
+one benchmark worker process per worker (:mod:`tfoverlap.bench.ps_worker`), and then drives
 all workers in lock step: every block of steps runs on all workers at once, and the
 variants take turns block by block (rotated every round), so slow phases of a noisy
 machine hit all variants alike. It also measures the communication-only and
 computation-only time of an iteration (for comm/comp and E) and traces steps for the
-observed transfer order and the timelines. Results go to CSV, Markdown and PNG plots.
+observed transfer order and the timelines, and the resident memory of every PS task and
+worker after the warm-up. Results go to CSV, Markdown and PNG plots.
 
     sudo .venv/bin/python -m tfoverlap.bench.ps --models seq32,resnet50 --out out/bench
 
@@ -33,6 +35,7 @@ from tfoverlap.bench.dilation import (FIRST_DILATION, busy_fraction, cpu_sample,
                                       parse_dilation)
 from tfoverlap.bench.report import progress
 from tfoverlap.options import parse_bandwidth
+from tfoverlap.testbed.cluster import hosts_needed
 
 __all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH",
            "DEFAULT_BANDWIDTH", "run_configuration", "plot_step_timelines", "link_name",
@@ -86,6 +89,7 @@ class Configuration:
                               # (emulated runs: in emulated units, divided by the dilation)
     num_ps: int = 1
     num_workers: int = 2
+    layout: str = "dedicated"  # where the tasks run: tfoverlap.testbed.cluster.LAYOUTS
     image_size: int = 224
     width: int = 1024         # layer width of seqN/parN
     intra_op: int = 1
@@ -101,6 +105,14 @@ class Configuration:
     @property
     def label(self) -> str:
         return f"{self.model} {self.mode}"
+
+    @property
+    def workers_per_ps_link(self) -> int:
+        """How many workers pull over each PS task's link: all of them, or, colocated,
+        all but the PS task's own host's worker, which reaches it off the link."""
+        if self.layout == "colocated":
+            return max(1, self.num_workers - 1)
+        return self.num_workers
 
 
 class _Workers:
@@ -146,7 +158,7 @@ def _variant_spec(name: str, workdir: str, task: int, config: Configuration) -> 
     if spec.get("tfoverlap", {}).get("schedule") == "tac":  # TAC's profile, per worker
         spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
     if spec.get("tfoverlap", {}).get("schedule") in ("tic", "tac"):
-        spec["tfoverlap"]["workers"] = config.num_workers     # they share each PS link
+        spec["tfoverlap"]["workers"] = config.workers_per_ps_link
     if name == "replay":
         spec["tfoverlap"]["emulate"] = _profile_path(workdir, task)
     return spec
@@ -168,11 +180,13 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
     os.makedirs(workdir, exist_ok=True)
     dilation = (config.dilation or FIRST_DILATION) if config.emulate else 1.0
     link = None if config.bandwidth is None else config.bandwidth / dilation
-    with EmulatedNetwork(config.num_ps + config.num_workers, bandwidth=link) as network:
-        cluster = PsCluster(network, config.num_ps, config.num_workers)
+    hosts = hosts_needed(config.num_ps, config.num_workers, config.layout)
+    with EmulatedNetwork(hosts, bandwidth=link) as network:
+        cluster = PsCluster(network, config.num_ps, config.num_workers, layout=config.layout)
         progress(f"{config.label}: {network.describe()}; starting {config.num_ps} PS and "
-                  f"{config.num_workers} workers")
+                  f"{config.num_workers} workers, {config.layout}")
         cluster.start_servers(("ps",))
+        ps_started = cluster.resident_memory()["ps"]
         channels = []
         for task in range(config.num_workers):
             worker_config = dataclasses.asdict(config)
@@ -189,6 +203,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         workers = _Workers(channels, timeout)
         graph = workers.ready()[0]
         workers.ask_each([{"cmd": "init"}] + [None] * (config.num_workers - 1))
+        ps_initialized = cluster.resident_memory()["ps"]
         calibration = []
         if config.emulate and config.dilation is None:
             dilation, calibration = _choose_dilation(workers, network, config, dilation, steps)
@@ -206,6 +221,9 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         passes = {}
         for name in variants:
             passes[name] = workers.ask({"cmd": "warmup", "variant": name})[0]["pass"]
+        memory = {"ps_started": ps_started, "ps_initialized": ps_initialized,
+                  **cluster.resident_memory()}
+        progress(f"{config.label}: {memory_summary(memory, graph['parameter_bytes'])}")
         progress(f"{config.label}: measuring communication-only and computation-only "
                   "iterations")
         comm = [t for a in workers.ask({"cmd": "comm", "steps": steps}) for t in a["times"]]
@@ -233,7 +251,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         description = network.describe()
     return {"config": dataclasses.asdict(config), "network": description, "graph": graph,
             "workdir": workdir, "fetch": fetch, "dilation": dilation,
-            "calibration": calibration, "host_busy": host_busy, "cpu": cpu,
+            "calibration": calibration, "host_busy": host_busy, "cpu": cpu, "memory": memory,
             "passes": passes, "comm": comm, "comp": comp, "times": times, "blocks": blocks,
             "traces": traced}
 
@@ -282,7 +300,8 @@ def summarize(result: dict) -> list[dict]:
         rows.append({
             "model": config["model"], "mode": "training" if config["training"] else "inference",
             "batch": config["batch"], "link": link_name(config["bandwidth"]),
-            "ps": config["num_ps"], "workers": config["num_workers"], "variant": name,
+            "ps": config["num_ps"], "layout": config["layout"],
+            "workers": config["num_workers"], "variant": name,
             "median_s": iteration.median, "p10_s": iteration.p10, "p90_s": iteration.p90,
             "steps": iteration.count,
             "samples_per_s": config["batch"] * config["num_workers"] / iteration.median,
@@ -303,6 +322,25 @@ def summarize(result: dict) -> list[dict]:
             "declined": bool(result["passes"].get(name, {}).get("declined")),
         })
     return rows
+
+
+def memory_summary(memory: dict, parameter_bytes: int) -> str:
+    """A run's resident memory in one line: the workers' and the PS tasks' after the
+    warm-up, and how much the PS tasks grew from start-up once the variables were
+    initialized (their shards: the model's parameters once in all, with the buffers that
+    brought them) and by the end of the warm-up."""
+    def megabytes(values) -> str:
+        return (f"{sum(values) / 1e6:,.0f} MB ({min(values) / 1e6:,.0f}-"
+                f"{max(values) / 1e6:,.0f} each)")
+
+    def growth(key: str) -> str:
+        return f"{(sum(memory[key]) - sum(memory['ps_started'])) / 1e6:,.0f} MB"
+    ps, workers = memory["ps"], memory["worker"]
+    return (f"resident memory after the warm-up: {len(ps)} PS tasks {megabytes(ps)}, "
+            f"{growth('ps_initialized')} more than at start-up once initialized, "
+            f"{growth('ps')} after the warm-up (parameters: {parameter_bytes / 1e6:,.0f} MB); "
+            f"{len(workers)} workers {megabytes(workers)}; "
+            f"all {(sum(ps) + sum(workers)) / 1e6:,.0f} MB")
 
 
 def _transfer_span(traced: list[list[dict]]) -> float:
@@ -359,8 +397,12 @@ def main(argv=None) -> int:
                         help="comma-separated; model[:training|:inference] (default both)")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {', '.join(VARIANTS)}")
-    parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--ps", type=int,
+                        help="PS tasks (default: 1, colocated: one per worker)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--layout", default="dedicated",
+                        help="dedicated: every PS task and worker on a host of its own; "
+                             "colocated: a PS task on every worker's host, sharing its link")
     parser.add_argument("--batch", type=int, help="override the per-model batch size")
     parser.add_argument("--emulate", default="",
                         help="emulated accelerators: v100, a100, h100 or a device file")
@@ -384,8 +426,11 @@ def main(argv=None) -> int:
         variants = [v.strip() for v in args.variants.split(",")]
         unshaped = args.bandwidth == "unshaped"
         bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth and not unshaped else None
+        if args.ps is None:
+            args.ps = args.workers if args.layout == "colocated" else 1
         if min(args.ps, args.workers, args.rounds, args.steps, args.traces) < 1:
             raise ValueError("--ps, --workers, --rounds, --steps and --traces must be >= 1")
+        hosts = hosts_needed(args.ps, args.workers, args.layout)
         if args.batch is not None and args.batch < 1:
             raise ValueError("--batch must be >= 1")
         dilation = parse_dilation(args.dilation, args.emulate)
@@ -408,7 +453,7 @@ def main(argv=None) -> int:
                    {m: b for (m, t), b in DEFAULT_BATCH.items() if t == training})
         config = Configuration(model, training, args.batch or batches.get(model, 64),
                                None if unshaped else bandwidth or DEFAULT_BANDWIDTH,
-                               num_ps=args.ps, num_workers=args.workers,
+                               num_ps=args.ps, num_workers=args.workers, layout=args.layout,
                                emulate=args.emulate, dilation=dilation)
         workdir = os.path.join(args.out, "work", f"{model}-{config.mode}")
         result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
@@ -429,12 +474,15 @@ def main(argv=None) -> int:
             report.write_result_rows(rows, args.results, merge=True,
                                      command=command)
     print()
-    print(f"{args.ps} PS, {args.workers} workers, {results[0]['network']}; {args.rounds} rounds "
-          f"x {args.steps} steps per variant and worker, interleaved")
+    print(f"{args.ps} PS, {args.workers} workers, {args.layout} on {hosts} hosts, "
+          f"{results[0]['network']}; {args.rounds} rounds x {args.steps} steps per variant "
+          "and worker, interleaved")
     for result in results:
         config = result["config"]
+        mode = "training" if config["training"] else "inference"
+        print(f"{config['model']} {mode}: "
+              f"{memory_summary(result['memory'], result['graph']['parameter_bytes'])}")
         if config["emulate"]:
-            mode = "training" if config["training"] else "inference"
             print(f"{config['model']} {mode}: emulated {config['emulate']}, dilation "
                   f"{result['dilation']:g} (links shaped to 1/{result['dilation']:g} of the "
                   f"emulated rate; times in emulated seconds); host CPUs "

@@ -30,10 +30,17 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(rows)
 
 
-RESULT_EXTRA = ("batch", "ps", "comm_over_comp", "transfer_span_s", "declined", "emulated",
-                "dilation", "host_busy", "worker_cpu_share", "breakdown", "predicted_s",
-                "prediction_error", "round_low", "round_high", "command", "date")
+RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "declined",
+                "emulated", "dilation", "host_busy", "worker_cpu_share", "breakdown",
+                "predicted_s", "prediction_error", "round_low", "round_high", "command", "date")
 _ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps")   # PS rows: per PS count
+
+
+def _row_key(row: dict) -> tuple:
+    """What makes a row another configuration: _ROW_KEY and, for PS rows, the layout (the
+    rows written before there was a choice ran dedicated)."""
+    layout = row.get("layout") or ("dedicated" if row.get("ps") else None)
+    return tuple(row.get(key) for key in _ROW_KEY) + (layout,)
 
 
 def write_result_rows(rows: list[dict], path: str, merge: bool = False,
@@ -41,8 +48,8 @@ def write_result_rows(rows: list[dict], path: str, merge: bool = False,
     """The machine-readable rows (docs/results/*.json): RESULT_FIELDS, then those of
     RESULT_EXTRA a row has; one JSON object per row, in a list. With ``merge``, rows
     already in the file stay unless a new row has the same model, mode, workers, link,
-    variant and PS count; ``command`` (what reproduces the rows) and today's date go into
-    each row."""
+    variant, PS count and layout; ``command`` (what reproduces the rows) and today's date go
+    into each row."""
     records = []
     for row in rows:
         row = {**row, **({"command": command, "date": time.strftime("%Y-%m-%d")}
@@ -57,8 +64,8 @@ def write_result_rows(rows: list[dict], path: str, merge: bool = False,
     if merge and os.path.exists(path):
         with open(path) as stream:
             kept = json.load(stream)
-        new_keys = {tuple(r.get(k) for k in _ROW_KEY) for r in records}
-        records = [r for r in kept if tuple(r.get(k) for k in _ROW_KEY) not in new_keys] + records
+        new_keys = {_row_key(r) for r in records}
+        records = [r for r in kept if _row_key(r) not in new_keys] + records
     with open(path, "w") as stream:
         json.dump(records, stream, indent=1)
         stream.write("\n")

@@ -1,10 +1,15 @@
 """TensorFlow parameter-server clusters: every task a real ``tf.distribute.Server`` process.
 
-``PsCluster`` places PS task i on host i of an :class:`EmulatedNetwork` and worker j on
-host ``num_ps + j``, starts the PS servers (and, if asked, the worker servers) as child
-processes in their hosts' namespaces and waits until each says it is serving. Benchmark
-workers that run their own steps are started with :meth:`PsCluster.spawn_worker`.
-``LocalCluster`` is the same on plain loopback, for tests that run the worker in-process.
+``PsCluster`` places the tasks on the hosts of an :class:`EmulatedNetwork` in one of two
+:data:`LAYOUTS`: "dedicated" puts PS task i on host i and worker j on host ``num_ps + j``,
+so every PS link carries only parameter traffic; "colocated" (TF1's usual layout, with a
+PS task on every worker host) puts PS task i and worker i on host i, two servers on two
+ports of one address, so each host's link carries its worker's pulls and pushes and its PS
+shard's traffic (the worker reaches its own host's PS off the link). It starts the PS
+servers (and, if asked, the worker servers) as child processes in their hosts' namespaces
+and waits until each says it is serving. Benchmark workers that run their own steps are
+started with :meth:`PsCluster.spawn_worker`. ``LocalCluster`` is the same on plain
+loopback, for tests that run the worker in-process.
 """
 from __future__ import annotations
 
@@ -13,35 +18,64 @@ import sys
 
 from tfoverlap.testbed.network import EmulatedNetwork, LineChannel
 
-__all__ = ["PsCluster", "LocalCluster", "serve", "READY"]
+__all__ = ["PsCluster", "LocalCluster", "LAYOUTS", "hosts_needed", "resident_bytes", "serve",
+           "READY"]
 
 READY = "tfoverlap-server-ready"
+LAYOUTS = ("dedicated", "colocated")
+
+
+def hosts_needed(num_ps: int, num_workers: int, layout: str = "dedicated") -> int:
+    """How many hosts the layout takes; ValueError where it cannot hold the tasks."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    if num_ps < 1 or num_workers < 1:
+        raise ValueError("a cluster needs at least one PS task and one worker")
+    if layout == "dedicated":
+        return num_ps + num_workers
+    if num_ps != num_workers:
+        raise ValueError(f"the colocated layout runs one PS task and one worker on every "
+                         f"host: it needs as many PS tasks as workers, got {num_ps} PS "
+                         f"tasks and {num_workers} workers")
+    return num_workers
+
+
+def resident_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` (VmRSS of /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise ProcessLookupError(f"process {pid} has exited (it has no resident memory)")
 
 
 class PsCluster:
-    """``num_ps`` PS tasks and ``num_workers`` workers on the hosts of ``network``."""
+    """``num_ps`` PS tasks and ``num_workers`` workers on the hosts of ``network``, placed
+    as ``layout`` says (one of :data:`LAYOUTS`)."""
 
     def __init__(self, network: EmulatedNetwork, num_ps: int = 1, num_workers: int = 1,
-                 start_timeout: float = 120.0):
-        if num_ps < 1 or num_workers < 1:
-            raise ValueError("a cluster needs at least one PS task and one worker")
-        if network.num_hosts < num_ps + num_workers:
-            raise ValueError(f"{num_ps} PS tasks and {num_workers} workers need "
-                             f"{num_ps + num_workers} hosts, the network has "
-                             f"{network.num_hosts}")
+                 start_timeout: float = 120.0, layout: str = "dedicated"):
+        needed = hosts_needed(num_ps, num_workers, layout)
+        if network.num_hosts < needed:
+            raise ValueError(f"{num_ps} PS tasks and {num_workers} workers, {layout}, need "
+                             f"{needed} hosts, the network has {network.num_hosts}")
         self.network = network
-        self.num_ps, self.num_workers = num_ps, num_workers
+        self.num_ps, self.num_workers, self.layout = num_ps, num_workers, layout
         self.start_timeout = start_timeout
-        self.spec = {
-            "ps": [self._endpoint(self.host("ps", i)) for i in range(num_ps)],
-            "worker": [self._endpoint(self.host("worker", j)) for j in range(num_workers)]}
-        self.processes = []
+        self.spec = {job: [self._endpoint(job, task) for task in range(count)]
+                     for job, count in (("ps", num_ps), ("worker", num_workers))}
+        self.processes: dict = {}       # (job, task) -> the process that runs it
 
     def host(self, job: str, task: int) -> int:
-        return task if job == "ps" else self.num_ps + task
+        if self.layout == "colocated" or job == "ps":
+            return task
+        return self.num_ps + task
 
-    def _endpoint(self, host: int) -> str:
-        return f"{self.network.address(host)}:{self.network.port(host)}"
+    def _endpoint(self, job: str, task: int) -> str:
+        host = self.host(job, task)
+        # Colocated, the host's worker serves on the port next to its PS task's.
+        slot = 1 if self.layout == "colocated" and job == "worker" else 0
+        return f"{self.network.address(host)}:{self.network.port(host, slot)}"
 
     def target(self, worker: int = 0) -> str:
         return "grpc://" + self.spec["worker"][worker]
@@ -57,7 +91,7 @@ class PsCluster:
                     [sys.executable, "-m", "tfoverlap.testbed.cluster", json.dumps(self.spec),
                      job, str(task)],
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                self.processes.append(process)
+                self.processes[job, task] = process
                 started.append((LineChannel(process, f"{job} task {task}"), job, task))
         for channel, job, task in started:
             while channel.read(self.start_timeout) != READY:
@@ -66,8 +100,16 @@ class PsCluster:
     def spawn_worker(self, task: int, argv: list[str], **popen_kwargs):
         """Starts ``argv`` on worker ``task``'s host (it runs that worker's server itself)."""
         process = self.network.spawn(self.host("worker", task), argv, **popen_kwargs)
-        self.processes.append(process)
+        self.processes["worker", task] = process
         return process
+
+    def resident_memory(self) -> dict[str, list[int]]:
+        """Job -> the resident bytes of each of its tasks that this cluster started, in
+        task order."""
+        memory: dict[str, list[int]] = {"ps": [], "worker": []}
+        for (job, _), process in sorted(self.processes.items()):
+            memory[job].append(resident_bytes(process.pid))
+        return memory
 
 
 class LocalCluster(PsCluster):
@@ -78,9 +120,9 @@ class LocalCluster(PsCluster):
     """
 
     def __init__(self, num_ps: int = 1, num_workers: int = 1, spawn_workers: bool = False,
-                 start_timeout: float = 120.0):
-        super().__init__(EmulatedNetwork(num_ps + num_workers, loopback=True).__enter__(),
-                         num_ps, num_workers, start_timeout)
+                 start_timeout: float = 120.0, layout: str = "dedicated"):
+        network = EmulatedNetwork(hosts_needed(num_ps, num_workers, layout), loopback=True)
+        super().__init__(network.__enter__(), num_ps, num_workers, start_timeout, layout)
         self.spawn_workers = spawn_workers
         self._servers = []
 

@@ -105,8 +105,9 @@ def chain_model(num_layers: int = 16, width: int = 256, batch: int = 64,
     """TicTac's seq model: ``num_layers`` dense layers in a chain.
 
     Layer i's kernel lives on ``ps_devices[i % len(ps_devices)]`` (default: PS tasks
-    0..num_ps-1 of job "ps"); the compute on ``worker_device``. The input is a fixed
-    synthetic batch, so losses are reproducible given ``seed``.
+    0..num_ps-1 of job "ps"): the kernels are all of one size, so this is the spread by
+    size of :class:`_LeastLoadedTask`. The compute runs on ``worker_device``. The input is
+    a fixed synthetic batch, so losses are reproducible given ``seed``.
     """
     import tensorflow as tf
     ps_devices = _ps_devices(num_ps, ps_devices, worker_device)
@@ -134,7 +135,9 @@ def parallel_model(num_branches: int = 32, width: int = 256, batch: int = 64,
     """TicTac's par model: ``num_branches`` independent two-layer branches, summed.
 
     Every branch can start as soon as its own two kernels arrive, so the order of the
-    transfers decides how early compute starts and how much of it overlaps.
+    transfers decides how early compute starts and how much of it overlaps. Kernel k (two
+    per branch, in branch order) lives on ``ps_devices[k % len(ps_devices)]``, the spread
+    by size of equal kernels, as in :func:`chain_model`.
     """
     import tensorflow as tf
     ps_devices = _ps_devices(num_ps, ps_devices, worker_device)
@@ -143,8 +146,8 @@ def parallel_model(num_branches: int = 32, width: int = 256, batch: int = 64,
         tf.compat.v1.set_random_seed(seed)
         weights = []
         for branch in range(num_branches):
-            with tf.device(ps_devices[branch % len(ps_devices)]):
-                for layer in range(2):
+            for layer in range(2):
+                with tf.device(ps_devices[len(weights) % len(ps_devices)]):
                     weights.append(_kernel(f"branch{branch}/layer{layer}/kernel", width,
                                            seed + 2 * branch + layer))
         with tf.device(worker_device):
