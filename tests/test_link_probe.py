@@ -109,3 +109,18 @@ def test_a_worker_that_filters_its_devices_starts_while_another_worker_is_down(t
             assert result.returncode == 0, result.stderr[-2000:]
             seconds[variant] = float(result.stdout.split("seconds")[-1])
     assert seconds["tfoverlap"] < seconds["plain"] + link_probe.PROBE_SECONDS, seconds
+
+
+def test_a_link_the_probe_could_not_measure_is_not_taken_as_fast_as_one_it_did(monkeypatch):
+    """A PS task on the worker's own host measured at loopback speed, the others out of
+    time: the plan takes no more than the assumed 1 Gbit/s, and says why."""
+    from tfoverlap.costs import host
+    monkeypatch.setattr(host, "_links", {})
+    monkeypatch.setattr(host, "_link_failures", {})
+    host.record_link("/job:ps/replica:0/task:0/device:CPU:0", 1e9, 1e-4)      # 8 Gbit/s
+    host.record_link_failure("/job:ps/replica:0/task:1/device:CPU:0", "probe timed out")
+    bandwidth, _, source = link_figures(parse_options({}), {"/job:ps/task:0", "/job:ps/task:1"})
+    assert bandwidth == 125e6
+    assert source.startswith("measured for 1 of 2 PS tasks") and "timed out" in source
+    bandwidth, _, source = link_figures(parse_options({}), {"/job:ps/task:0"})
+    assert (bandwidth, source) == (1e9, "measured")

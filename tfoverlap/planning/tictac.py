@@ -164,16 +164,23 @@ class TransferPlan:
 def link_figures(options: Options, ps_devices: set[str]) -> tuple[float, float, str]:
     """(bytes/s, round trip s, where from) of the link to the PS tasks in ``ps_devices``:
     the bandwidth option if given; else the slowest link this process measured to one of
-    them; else 1 Gbit/s, assumed (with why the probe could not measure it, where it tried)."""
+    them, and 1 Gbit/s assumed for those it could not measure (say why, where it tried):
+    a link the probe could not measure in its time may be the slow one, and the one it did
+    may be a PS task on the worker's own host."""
     if options.bandwidth:
         return options.bandwidth, options.round_trip, "given"
+
     def ours(device):
         return any(DeviceMatcher(spec)(device) for spec in ps_devices if spec)
     measured = [figures for device, figures in measured_links().items() if ours(device)]
-    if measured:
-        bandwidth = min(b for b, _ in measured)
-        return bandwidth, max(r for _, r in measured), "measured"
     failures = [reason for device, reason in sorted(link_failures().items()) if ours(device)]
+    if measured and not failures:
+        return min(b for b, _ in measured), max(r for _, r in measured), "measured"
+    if measured:
+        return (min([b for b, _ in measured] + [DEFAULT_BANDWIDTH]),
+                max(r for _, r in measured),
+                f"measured for {len(measured)} of {len(measured) + len(failures)} PS tasks, "
+                f"assumed for the others; {failures[0]}")
     return (DEFAULT_BANDWIDTH, options.round_trip,
             "assumed" + (f"; {failures[0]}" if failures else ""))
 
