@@ -226,8 +226,8 @@ def _measure_for_session(target, graph, config, seconds: float = PROBE_SECONDS) 
     import tensorflow as tf
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     tasks, worker_device = _placement(graph, specs)
-    known = list(measured_links()) + list(link_failures())
-    tasks = [task for task in tasks if not any(device.startswith(task) for device in known)]
+    known = set(measured_links()) | set(link_failures())
+    tasks = [task for task in tasks if _link_device(task) not in known]
     if not tasks:
         return
     outcomes: dict = {}
