@@ -336,3 +336,19 @@ def test_a_host_without_the_boot_directory_switches_tfoverlap_on_from_its_instal
     assert result.returncode == 0, result.stderr
     assert "tfoverlap [" in result.stderr and "no graph with parameter transfers" in \
         result.stderr, result.stderr[-2000:]
+
+
+def test_two_installs_boot_directories_run_the_users_sitecustomize_once(tmp_path):
+    """`tfoverlap run` of one install inside that of another: both boot directories are
+    on PYTHONPATH; neither hands over to the other, and the program's own runs once."""
+    import shutil
+    other = tmp_path / "other" / "tfoverlap" / "boot"
+    shutil.copytree(launcher.boot_directory(), other)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text(_USER_SITECUSTOMIZE)
+    result = _run_under_launcher(_SHOWS_SITECUSTOMIZE,
+                                 pythonpath=os.pathsep.join([str(other), str(user)]))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("user sitecustomize ran as sitecustomize") == 1, result.stderr
+    assert result.stdout.strip() == "user"

@@ -20,9 +20,11 @@ def _run_hidden_sitecustomize():
     """The first ``sitecustomize`` on the rest of sys.path (a module, a package, a .pyc, in
     a zip: whatever Python's own import finds), run once under its own name. Its errors
     go to Python's site module, which reports them as it would have."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    # Every tfoverlap boot directory is passed over, this one and another install's alike:
+    # each would look for the next sitecustomize, and find the other one again.
+    boot = os.path.join("tfoverlap", "boot")
     rest = [entry for entry in sys.path
-            if isinstance(entry, str) and os.path.abspath(entry or os.curdir) != here]
+            if isinstance(entry, str) and not os.path.abspath(entry or os.curdir).endswith(boot)]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None:
         return
