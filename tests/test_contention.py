@@ -49,6 +49,12 @@ def test_a_ps_task_per_worker_keeps_the_workers_in_lock_step_and_ordering_gains(
     assert steps.ordered == pytest.approx(1.0 + 1.0) and steps.gain == pytest.approx(0.2)
 
 
+def test_a_step_with_nothing_in_it_gains_nothing():
+    steps = predict_steps({"ps:0": 0.0}, {}, workers=4, bandwidth=1.0, forward_seconds=0.0,
+                          backward_seconds=0.0)
+    assert steps.default == steps.ordered == 0.0 and steps.gain == 0.0
+
+
 def test_bad_figures_are_clear_errors():
     with pytest.raises(ValueError, match="workers >= 1"):
         predict_steps({}, {}, workers=0, bandwidth=1.0, forward_seconds=0,

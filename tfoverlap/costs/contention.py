@@ -110,6 +110,8 @@ def _drifted_step(own_pull: float, own_push: float, ps_pull: float, ps_push: flo
     pull of ``own_pull`` seconds alone takes p = own_pull / (1 - (workers-1) ps_pull / T)
     among the others' pulls (and a push likewise). The right side falls as T grows, so
     the one solution is found by bisection."""
+    if not (own_pull or own_push or forward or backward):
+        return 0.0
     others = workers - 1
 
     def stretched(alone: float, share: float, step: float) -> float:
