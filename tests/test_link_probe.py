@@ -35,6 +35,18 @@ def test_the_probes_own_work_is_not_counted_as_transfer_time():
         link_probe.link_from_timings(4 * 2 ** 20, 0.011, 0.015, 0.004, 0.0081)
 
 
+def test_the_fastest_round_is_the_links_rate_when_other_workers_probe_at_once():
+    """Four rounds of a 4 MiB difference: in three another worker's probe shared the link
+    (twice the time), in one it did not; the link's own rate is that round's."""
+    extra = 4 * 2 ** 20
+    alone, shared = 0.010, 0.020
+    rounds = [(0.011, 0.011 + shared + 0.002, 0.004, 0.006)] * 3 + [
+        (0.011, 0.011 + alone + 0.002, 0.004, 0.006)]
+    assert link_probe.link_from_rounds(extra, rounds) == pytest.approx(extra / alone)
+    with pytest.raises(link_probe.ImplausibleLink):
+        link_probe.link_from_rounds(extra, [(0.011, 0.011, 0.004, 0.006)] * 3)
+
+
 def test_a_probe_that_cannot_measure_is_remembered_and_the_plan_says_why(monkeypatch):
     """A graph on a PS task that never started: the probe gives up within its time, the
     next session start does not probe again, and TicTac's link line says why it assumed."""

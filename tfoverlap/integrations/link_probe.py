@@ -7,7 +7,8 @@ that switches TfOverlap on (and leaves ``bandwidth`` unset) is the moment to mea
 before it runs anything, a separate probe session on the same target times a tiny fetch
 (the round trip) and two large ones, one twice the other, from every PS task its graph
 uses, and the same two on the worker alone (so that creating and summing the tensor does
-not count as transfer time). The bandwidth is the extra bytes over the extra time.
+not count as transfer time). The bandwidth is the extra bytes over the extra time, in the
+fastest of several rounds: workers that start together also probe together.
 
 The probe never makes a session start wait for what plain TensorFlow would not wait for:
 its session keeps the program's config (device filters, cluster, timeouts), waits only for
@@ -20,6 +21,7 @@ variables is touched; the probe creates its tensors on the PS and frees them.
 from __future__ import annotations
 
 import functools
+import random
 import statistics
 import threading
 import time
@@ -30,8 +32,8 @@ from tfoverlap.integrations.grappler import OPTIMIZER_NAME
 from tfoverlap.log import logger
 from tfoverlap.options import parse_options
 
-__all__ = ["measure_ps_links", "link_from_timings", "install_session_hook", "ImplausibleLink",
-           "PROBE_BYTES", "PROBE_SECONDS", "MAX_PLAUSIBLE_BANDWIDTH"]
+__all__ = ["measure_ps_links", "link_from_timings", "link_from_rounds", "install_session_hook",
+           "ImplausibleLink", "PROBE_BYTES", "PROBE_SECONDS", "MAX_PLAUSIBLE_BANDWIDTH"]
 
 #: the largest fetch; the probe sizes its two down to about PROBE_TRANSFER_SECONDS together.
 PROBE_BYTES = 32 * 2 ** 20
@@ -68,6 +70,24 @@ def link_from_timings(extra_bytes: int, smaller_s: float, larger_s: float,
         raise ImplausibleLink(f"it measured {bandwidth * 8 / 1e9:.3g} Gbit/s, more than "
                               f"{MAX_PLAUSIBLE_BANDWIDTH * 8 / 1e9:.3g} Gbit/s")
     return bandwidth
+
+
+def link_from_rounds(extra_bytes: int, rounds: list[tuple[float, float, float, float]]
+                     ) -> float:
+    """Bytes/s from rounds of (smaller, larger, local smaller, local larger) fetch times
+    (:func:`link_from_timings`): the fastest plausible round, the worker's own work taken
+    as its median. Workers that start together probe together and share the PS link; a
+    round that ran while the others' did not shows the link's own rate."""
+    local_work = statistics.median(larger - smaller for _, _, smaller, larger in rounds)
+    rates, rejected = [], None
+    for smaller, larger, _, _ in rounds:
+        try:
+            rates.append(link_from_timings(extra_bytes, smaller, larger, 0.0, local_work))
+        except ImplausibleLink as error:
+            rejected = error
+    if not rates:
+        raise rejected
+    return max(rates)
 
 
 def _probe_config(config, ps_tasks: list[str], worker_device: str):
@@ -127,14 +147,17 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
         session.run(fetch, feed_dict={size: count}, options=options)
         return time.perf_counter() - began
 
-    def medians(session, runs: list[tuple], rounds: int) -> list[float]:
-        """Median seconds of each (fetch, count), the runs taken in turn round after round
-        (a load that comes and goes then weighs on all alike), after one warm-up round."""
+    def timed_rounds(session, runs: list[tuple], rounds: int) -> list[list[float]]:
+        """Seconds of each (fetch, count) per round, the runs taken in turn round after
+        round (a load that comes and goes then weighs on all alike), after one warm-up
+        round; a random pause between rounds keeps workers that probe together apart."""
         for fetch, count in runs:
             run_once(session, fetch, count)
-        times = [[run_once(session, fetch, count) for fetch, count in runs]
-                 for _ in range(rounds)]
-        return [statistics.median(column) for column in zip(*times)]
+        times = []
+        for _ in range(rounds):
+            time.sleep(random.uniform(0, PROBE_TRANSFER_SECONDS))
+            times.append([run_once(session, fetch, count) for fetch, count in runs])
+        return times
 
     _measuring.active = True
     try:
@@ -144,16 +167,15 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
             for task in ps_tasks:
                 try:
                     remote = fetches[task]
-                    round_trip, rough = medians(s, [(remote, 1), (remote, 2 ** 18)], 1)
+                    ((round_trip, rough),) = timed_rounds(s, [(remote, 1), (remote, 2 ** 18)], 1)
                     # the 1 MiB fetch sizes the others to about PROBE_TRANSFER_SECONDS
                     rough_rate = 2 ** 20 / max(rough - round_trip, 1e-6)
                     count = int(min(max(rough_rate * PROBE_TRANSFER_SECONDS / 2, 2 ** 20),
                                     probe_bytes / 2)) // 4
-                    round_trip, smaller, larger, local_smaller, local_larger = medians(
-                        s, [(remote, 1), (remote, count), (remote, 2 * count), (local, count),
-                            (local, 2 * count)], repeats)
-                    result = (link_from_timings(count * 4, smaller, larger, local_smaller,
-                                                local_larger), round_trip)
+                    rounds = timed_rounds(s, [(remote, 1), (remote, count), (remote, 2 * count),
+                                              (local, count), (local, 2 * count)], repeats)
+                    result = (link_from_rounds(count * 4, [r[1:] for r in rounds]),
+                              statistics.median(r[0] for r in rounds))
                 except ImplausibleLink as error:
                     result = f"rejected: {error}"
                 except TimeoutError:
