@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["StepPrediction", "predict_steps", "FORWARD_SHARE"]
+__all__ = ["StepPrediction", "predict_steps", "predict_steps_for_compute", "FORWARD_SHARE"]
 
 #: a training step's forward pass, as a share of its compute, where nothing tells it: the
 #: backward pass computes two products per forward one (input and weight gradients).
@@ -102,6 +102,17 @@ def predict_steps(pull_bytes: dict[str, float], push_bytes: dict[str, float], wo
         default_lock=pulls + forward_seconds + max(pushes, backward_seconds),
         default_drift=max(pulls, pushes, drifted),
         pull_seconds=pulls, push_seconds=pushes, alone_seconds=alone, workers=workers)
+
+
+def predict_steps_for_compute(pull_bytes: dict[str, float], push_bytes: dict[str, float],
+                              workers: int, bandwidth: float, compute_seconds: float
+                              ) -> StepPrediction:
+    """:func:`predict_steps` where only a step's whole compute is known: a step that pushes
+    gradients (training) spends FORWARD_SHARE of it in the forward pass, one that does not
+    (inference) all of it."""
+    forward = compute_seconds * (FORWARD_SHARE if any(push_bytes.values()) else 1.0)
+    return predict_steps(pull_bytes, push_bytes, workers, bandwidth, forward,
+                         compute_seconds - forward)
 
 
 def _drifted_step(own_pull: float, own_push: float, ps_pull: float, ps_push: float,

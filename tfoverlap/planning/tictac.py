@@ -17,7 +17,7 @@ import collections
 import dataclasses
 import hashlib
 
-from tfoverlap.costs.contention import FORWARD_SHARE, StepPrediction, predict_steps
+from tfoverlap.costs.contention import StepPrediction, predict_steps_for_compute
 from tfoverlap.costs.host import cluster_workers, host_flops, link_failures, measured_links
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
@@ -456,10 +456,8 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
         compute = comp.get(destination, 0.0)
 
         def predict(link_factor=1.0, compute_factor=1.0):
-            forward_share = FORWARD_SHARE if pushed else 1.0
-            return predict_steps(pulls, pushed, workers, bandwidth * link_factor,
-                                 compute * compute_factor * forward_share,
-                                 compute * compute_factor * (1 - forward_share))
+            return predict_steps_for_compute(pulls, pushed, workers, bandwidth * link_factor,
+                                             compute * compute_factor)
 
         factors = (1 / DECISION_MARGIN, 1.0, DECISION_MARGIN)
         low_gain = min(predict(link, work).gain for link in factors for work in factors)

@@ -44,7 +44,7 @@ from typing import Callable
 
 import numpy as np
 
-from tfoverlap.costs.contention import FORWARD_SHARE, StepPrediction, predict_steps
+from tfoverlap.costs.contention import StepPrediction, predict_steps_for_compute
 from tfoverlap.costs.profile import Profile
 from tfoverlap.graph.devices import DeviceMatcher, parse_device_spec, task_of
 from tfoverlap.graph.model import (RESOURCE_HANDLE_OPS, GraphModel, edge_bytes, is_variable_op,
@@ -290,11 +290,10 @@ def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
 
 def _contention(graph: _PsGraph, scenario: Scenario, compute_seconds: float) -> StepPrediction:
     """The contention model's view of this worker's step: its bytes per PS task and
-    direction, and its compute (a training step's forward pass FORWARD_SHARE of it)."""
-    forward = compute_seconds * (FORWARD_SHARE if graph.push_bytes.any() else 1.0)
-    return predict_steps(dict(zip(graph.ps_tasks, graph.pull_bytes)),
-                         dict(zip(graph.ps_tasks, graph.push_bytes)), scenario.workers,
-                         scenario.bandwidth, forward, compute_seconds - forward)
+    direction, and its compute."""
+    return predict_steps_for_compute(dict(zip(graph.ps_tasks, graph.pull_bytes)),
+                                     dict(zip(graph.ps_tasks, graph.push_bytes)),
+                                     scenario.workers, scenario.bandwidth, compute_seconds)
 
 
 def _shortest_step(graph: _PsGraph, scenario: Scenario) -> float:
