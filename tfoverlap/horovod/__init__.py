@@ -24,6 +24,7 @@ threads, Horovod's cycle) are used by every rank so that all ranks plan alike.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -40,7 +41,7 @@ _configured_wrapper: dict = {}
 _measured: dict = {}
 
 
-def configure(profile_steps: int = 0, cross_step: bool = False, **options) -> None:
+def configure(profile_steps: int = 0, cross_step: bool | str = "auto", **options) -> None:
     """Options for the Caramel pass the wrappers run (see :class:`tfoverlap.options.Options`:
     bandwidth, latency, split_bytes, flops, profile, ...). Validated here.
 
@@ -49,16 +50,20 @@ def configure(profile_steps: int = 0, cross_step: bool = False, **options) -> No
     static estimates. Where the warm-up cannot run, a warning says why and the estimates
     are used.
 
-    ``cross_step=True``: graph-mode optimizers reduce the gradients that become ready last
-    under the next step's forward pass (:mod:`tfoverlap.horovod.deferred`; same losses;
-    run :func:`flush_op` after the last step)."""
+    ``cross_step``: graph-mode optimizers reduce the gradients that become ready last
+    under the next step's forward pass (:mod:`tfoverlap.horovod.deferred`; every value a
+    run returns, every checkpoint and the final weights are plain Horovod's). "auto" (the
+    default): where Caramel's plan predicts a step at least ``min_gain`` faster than its
+    in-step plan's; True: wherever a reduction fits under the forward pass; False:
+    never."""
     from tfoverlap.options import parse_options
     if (not isinstance(profile_steps, int) or isinstance(profile_steps, bool)
             or not 0 <= profile_steps <= 100):
         raise ValueError(f"profile_steps must be an integer from 0 to 100, not "
                            f"{profile_steps!r}")
-    if not isinstance(cross_step, bool):
-        raise ValueError(f"cross_step must be True or False, not {cross_step!r}")
+    if not (cross_step is True or cross_step is False
+            or isinstance(cross_step, str) and cross_step == "auto"):
+        raise ValueError(f"cross_step must be True, False or \"auto\", not {cross_step!r}")
     if profile_steps and options.get("profile"):
         raise ValueError("give either profile (a profile file) or profile_steps (a "
                            "profiled warm-up), not both")
@@ -68,8 +73,8 @@ def configure(profile_steps: int = 0, cross_step: bool = False, **options) -> No
     _configured_wrapper.clear()
     if profile_steps:
         _configured_wrapper["profile_steps"] = profile_steps
-    if cross_step:
-        _configured_wrapper["cross_step"] = True
+    if cross_step != "auto":
+        _configured_wrapper["cross_step"] = cross_step
 
 
 def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
@@ -261,7 +266,7 @@ def warmup_profile(graph, gradients, steps: int, options: dict) -> str:
     return path
 
 
-def _schedule_in_place(graph, gradients=()) -> None:
+def _schedule_in_place(graph, gradients=(), cross_step: dict | None = None) -> None:
     """Runs the Caramel pass on ``graph`` as built so far and applies it in place.
 
     With ``profile_steps`` configured it plans with the op times of a profiled warm-up of
@@ -291,6 +296,10 @@ def _schedule_in_place(graph, gradients=()) -> None:
                                                 for name in EMULATION_OPTIONS if name in options})
     if report.modified:
         apply_rewrite(graph, before, after)
+    if cross_step is not None:
+        for result in report.passes:
+            if result.name == "caramel":
+                result.summary["cross_step"] = cross_step
     REPORTS.append(report)
     logger.info("%s", report)
 
@@ -343,11 +352,6 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                        "schedule; plain Horovod is used")
         return wrapped
 
-    def reduce_like(tensor):
-        return _reduce_without_cond([tensor], device_dense, device_sparse, compression,
-                                    sparse_as_dense, op, gradient_predivide_factor,
-                                    process_set)[0]
-
     pending: dict = {}      # cross_step: what apply_gradients defers once the updates exist
 
     def reduce_and_schedule(grads, variables=None, use_generic_names=False):
@@ -365,43 +369,61 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         if not dense:
             return reduced
         gradients = [g for g in grads if isinstance(g, tf.Tensor)]
-        if _configured_wrapper.get("cross_step"):
+        mode = _configured_wrapper.get("cross_step", "auto")
+        decision = None
+        if mode:
             refused = (deferral_refused(optimizer, variables, reduced, compression)
                        if variables is not None else "Horovod did not name the variables")
             if not refused:
                 pending.update(grads=list(grads), variables=list(variables),
-                               allreduces=allreduces, gradients=gradients)
+                               reduced=reduced, allreduces=allreduces, gradients=gradients,
+                               mode=mode)
                 return reduced
-            logger.warning("tfoverlap: cross_step: %s; the step is planned on its own",
-                           refused)
-        _schedule_in_place(dense[0].graph, gradients)
+            # Asked for: a warning; on by default: one INFO line.
+            logger.log(logging.WARNING if mode is True else logging.INFO,
+                       "tfoverlap: cross_step: %s; the step is planned on its own", refused)
+            decision = {"mode": "on" if mode is True else "auto", "deferred": 0,
+                        "reason": refused}
+        _schedule_in_place(dense[0].graph, gradients, cross_step=decision)
         return reduced
 
     original_apply = wrapped.apply_gradients
 
     def apply_and_defer(grads_and_vars, global_step=None, name=None):
-        train = original_apply(grads_and_vars, global_step=global_step, name=name)
-        if pending:
-            train = _defer_and_schedule(train, optimizer, reduce_like, **pending)
-            pending.clear()
-        return train
+        if not pending:
+            return original_apply(grads_and_vars, global_step=global_step, name=name)
+        deferrable = dict(pending)
+        pending.clear()
+        return _defer_and_schedule(
+            optimizer, list(grads_and_vars),
+            lambda pairs: original_apply(pairs, global_step=global_step, name=name),
+            **deferrable)
 
     wrapped._allreduce_grads = reduce_and_schedule  # noqa: SLF001 - Horovod's hook
     wrapped.apply_gradients = apply_and_defer
     return wrapped
 
 
-def _defer_and_schedule(train, optimizer, reduce_like, grads, variables, allreduces,
-                        gradients):
-    """cross_step: defers the gradients that become ready last to the next step
-    (:mod:`tfoverlap.horovod.deferred`), then plans the rest of the step."""
+def _defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, variables,
+                        reduced, allreduces, gradients):
+    """cross_step: builds the step with the updates of the gradients that become ready
+    last deferred to the next step (:mod:`tfoverlap.horovod.deferred`), then plans the
+    rest of the step; returns the train op. ``mode`` "auto" defers where the predicted
+    step gains at least min_gain over the in-step plan's; True wherever a reduction fits
+    under the forward pass."""
     from tfoverlap.costs.network import ring_allreduce_seconds
     from tfoverlap.horovod.deferred import defer_updates
     from tfoverlap.options import link_bandwidth, parse_options
-    from tfoverlap.planning.caramel import (deferred_chunks, horovod_cycle_seconds,
-                                            plan_for_graph, request_latency)
-    graph = train.graph
+    from tfoverlap.planning.caramel import (deferred_chunks, deferred_step,
+                                            horovod_cycle_seconds, plan_for_graph,
+                                            request_latency)
+    graph = grads_and_vars[0][1].graph
+    # Pair i of grads_and_vars is entry reduced_at[i] of what the reduction returned.
+    reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
+                       None) for pair in grads_and_vars]
     options = parse_options(caramel_options())
+    decision = {"mode": "auto" if mode == "auto" else "on", "deferred": 0}
+    chunks = []
     try:
         plan, inputs = plan_for_graph(graph.as_graph_def(), options)
         latency = request_latency(options.latency, inputs.ranks,
@@ -409,27 +431,56 @@ def _defer_and_schedule(train, optimizer, reduce_like, grads, variables, allredu
         rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
                                               0.0)) for size in plan.sizes]
         request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
-        index_of = {allreduce.name: index for index, allreduce in enumerate(allreduces)
-                    if allreduce is not None}
-        chunks = [[index_of[plan.model.names[plan.nodes[p]]] for p in chunk]
-                  for chunk in deferred_chunks(plan, rings, request_seconds=request)]
+        pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)
+                   if j is not None and allreduces[j] is not None}
+        # The plan may hold other optimizers' reductions: this one defers its own.
+        positions = [[p for p in chunk if plan.model.names[plan.nodes[p]] in pair_of]
+                     for chunk in deferred_chunks(plan, rings, request_seconds=request)]
+        positions = [chunk for chunk in positions if chunk]
+        in_step = min(plan.predicted_step, plan.baseline_step)
+        predicted = deferred_step(plan, rings, positions, request)
+        gain = 1.0 - predicted / in_step if in_step > 0 else 0.0
+        decision.update(in_step_ms=round(in_step * 1e3, 3),
+                        predicted_step_ms=round(predicted * 1e3, 3),
+                        predicted_gain=round(gain, 4))
+        chunks = [[pair_of[plan.model.names[plan.nodes[p]]] for p in chunk]
+                  for chunk in positions]
+        if not chunks:
+            decision["reason"] = ("no reduction of the plan's tail fits under the forward "
+                                  "pass")
+        elif mode == "auto" and gain < options.min_gain:
+            decision["reason"] = (f"deferring would take the step from {in_step * 1e3:.3g} "
+                                  f"to {predicted * 1e3:.3g} ms ({gain:+.1%}), below "
+                                  f"min_gain {options.min_gain:.1%}")
+            chunks = []
     except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
         logger.warning("tfoverlap: cross_step: no plan to defer with (%s: %s); nothing "
                        "deferred", type(error).__name__, error)
-        chunks = []
+        decision["reason"] = f"no plan ({type(error).__name__}: {error})"
     if chunks:
-        train = defer_updates(train, optimizer, grads, variables, allreduces, chunks,
-                              reduce_like)
+        train = defer_updates(optimizer, grads_and_vars, _aligned(grads, reduced_at),
+                              _aligned(reduced, reduced_at), _aligned(allreduces, reduced_at),
+                              chunks, apply_in_step)
+        from tfoverlap.horovod.deferred import deferral_summary
+        decision["deferred"] = deferral_summary(graph).get("deferred", 0)
+        if not decision["deferred"]:
+            decision["reason"] = "outside the contract (see the warning)"
     else:
-        logger.info("tfoverlap: cross_step: no reduction of the plan's tail fits under the "
-                    "forward pass; nothing deferred")
-    _schedule_in_place(graph, gradients)
+        logger.info("tfoverlap: cross_step: nothing deferred: %s", decision.get("reason"))
+        train = apply_in_step(grads_and_vars)
+    _schedule_in_place(graph, gradients, cross_step=decision)
     return train
 
 
+def _aligned(values, indices):
+    """``values`` reordered by ``indices`` (None where an index is None)."""
+    return [None if index is None else values[index] for index in indices]
+
+
 def flush_op(graph=None):
-    """cross_step: the op that applies the last step's deferred updates (run it once after
-    the last step); None where nothing was deferred."""
+    """cross_step: the op that applies every pending deferred update (optional: any run
+    that uses a deferred variable applies its update first); None where nothing was
+    deferred."""
     from tfoverlap.horovod.deferred import flush_op as deferred_flush
     return deferred_flush(graph)
 

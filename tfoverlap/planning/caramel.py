@@ -35,7 +35,7 @@ __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradient
            "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
            "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
            "HOROVOD_REDUCE_OPS", "gradient_submissions", "traced_step_breakdown",
-           "waited_producers", "DEFERRED_ATTR", "deferred_chunks"]
+           "waited_producers", "DEFERRED_ATTR", "deferred_chunks", "deferred_step"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 #: the op types that hand tensors to Horovod for reduction.
@@ -229,6 +229,19 @@ def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4,
     if current:
         result.append(current)
     return result
+
+
+def deferred_step(plan: AllreducePlan, ring_seconds, chunks: list[list[int]],
+                  request_seconds: float = 0.0) -> float:
+    """The step predicted with ``chunks`` (from :func:`deferred_chunks`) reduced under the
+    next step's forward pass: the ring's in-step work ends earlier by their ring time
+    (they were its last), not before the last gradient is ready; the forward pass then
+    waits for the first chunk (its ring time and one request) before it starts."""
+    if not chunks:
+        return plan.predicted_step
+    saved = sum(ring_seconds[position] for chunk in chunks for position in chunk)
+    first = sum(ring_seconds[position] for position in chunks[0]) + request_seconds
+    return max(plan.ready[-1], plan.predicted_step - saved) + first
 
 
 def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,

@@ -1,0 +1,176 @@
+"""cross_step's contract, on 2 Horovod ranks (one Gloo job, tests/jobs/cross_step_contract.py):
+for each pattern of a TF1 training program, every value a run returns, every checkpoint
+tensor and the final weights are plain Horovod's bit for bit; programs outside the
+contract are refused in one warning or stopped with a clear error before any collective."""
+import json
+import os
+import sys
+
+import pytest
+
+from tfoverlap.testbed.horovod_launch import run_horovod
+from tfoverlap.testbed.network import EmulatedNetwork
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_contract.py")
+
+EXACT = ["plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
+         "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule", "adam",
+         "nesterov", "make_callable"]
+
+
+@pytest.fixture(scope="module")
+def patterns(tmp_path_factory):
+    """Each rank's record of each pattern and variant."""
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [sys.executable, JOB], controller="gloo",
+                             timeout=600,
+                             env={"CROSS_STEP_CHECKPOINTS": str(checkpoints)})
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    return [json.loads(next(line for line in output.splitlines() if line.startswith("{")))
+            ["patterns"] for output in result.outputs]
+
+
+@pytest.mark.parametrize("pattern", EXACT)
+def test_every_value_checkpoint_and_weight_is_horovods(patterns, pattern):
+    """Something was deferred, and what the program sees is plain Horovod's, bit for bit:
+    - validation: a loss-only run on every rank between steps (each gradient once);
+    - rank0_validation: the same on rank 0 alone (no collective; exact, no hang);
+    - batch_norm: the optimizer built inside control_dependencies(UPDATE_OPS) (no cycle);
+    - checkpoint: saved after step 2, restored on rank 0 in a new session and broadcast;
+    - restore_plain_checkpoint: a checkpoint written by plain Horovod restores;
+    - flush_midway: the flush in mid-training (Momentum gets no extra update);
+    - two_optimizers: a second deferring optimizer trained in its own runs;
+    - schedule, adam, nesterov: a decayed rate, Adam's beta powers, Nesterov momentum."""
+    for rank, records in enumerate(patterns):
+        plain, deferred = records[pattern]["horovod"], records[pattern]["cross_step"]
+        assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)
+        assert deferred["deferred"].get("deferred", 0) >= 1, (rank, deferred["deferred"])
+        assert deferred["values"] == plain["values"], rank
+        assert deferred.get("checkpoint") == plain.get("checkpoint"), rank
+        assert deferred["final"] == plain["final"], rank
+        assert deferred["warnings"] == [], (rank, deferred["warnings"])
+    if pattern == "two_optimizers":
+        assert all(r[pattern]["cross_step"]["deferred"]["optimizers"] == 2 for r in patterns)
+    if pattern == "checkpoint":
+        assert patterns[0][pattern]["cross_step"]["checkpoint"], "nothing was saved"
+
+
+@pytest.mark.parametrize("pattern, warning", [
+    ("clip", "is not the reduced gradient (changed after the reduction, e.g. clipped"),
+    ("accumulation", "backward_passes_per_step > 1: Horovod's own reduction is used"),
+])
+def test_a_program_outside_the_contract_is_refused_in_one_warning_and_trains_exactly(
+        patterns, pattern, warning):
+    for rank, records in enumerate(patterns):
+        plain, deferred = records[pattern]["horovod"], records[pattern]["cross_step"]
+        assert deferred["deferred"] == {}, rank
+        assert len(deferred["warnings"]) == 1 and warning in deferred["warnings"][0], \
+            deferred["warnings"]
+        assert deferred["values"] == plain["values"] and deferred["final"] == plain["final"]
+
+
+def test_a_reduced_gradient_used_after_the_step_is_built_stops_before_any_run(patterns):
+    """A global norm of the reduced gradients built after apply_gradients cannot be had
+    (the deferred ones are reduced in the next step): the first run stops with an error
+    that says what to do, before any collective."""
+    for records in patterns:
+        assert "error" not in records["gradient_after"]["horovod"]
+        error = records["gradient_after"]["cross_step"]["error"]
+        assert error.startswith("DeferralError: tfoverlap: cross_step: "), error
+        assert "before the optimizer's apply_gradients is built" in error, error
+
+
+def _chain_graph(defer: bool, clip: bool = False, chunks=((0,), (1,))):
+    """Three tanh layers trained with Momentum; the reduction is an Identity (one
+    process), so the deferral's machinery runs without Horovod: the background run, the
+    waits of every later use, the stored step values. Returns the graph's parts."""
+    import numpy as np
+    import tensorflow as tf
+    from tfoverlap.horovod.deferred import defer_updates
+    rng = np.random.default_rng(3)
+    graph = tf.Graph()
+    with graph.as_default():
+        weights = [tf.compat.v1.get_variable(f"w{i}", initializer=rng.normal(
+            0, 0.3, (8, 8)).astype(np.float32), use_resource=True) for i in range(3)]
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+        hidden = x
+        for weight in weights:
+            hidden = tf.tanh(tf.matmul(hidden, weight))
+        loss = tf.reduce_mean(tf.square(hidden))
+        local = tf.gradients(loss, weights)
+        stand_ins = [tf.identity(g, name=f"reduce{i}") for i, g in enumerate(local)]
+        reduced = [tf.identity(s) for s in stand_ins]
+        step = tf.compat.v1.train.get_or_create_global_step()
+        optimizer = tf.compat.v1.train.MomentumOptimizer(
+            tf.compat.v1.train.exponential_decay(0.2, step, 1, 0.8), 0.9)
+        grads = tf.clip_by_global_norm(reduced, 1.0)[0] if clip else reduced
+        pairs = list(zip(grads, weights))
+
+        def apply_in_step(kept):
+            return optimizer.apply_gradients(kept, global_step=step)
+        train = (defer_updates(optimizer, pairs, local, reduced, [s.op for s in stand_ins],
+                               [list(c) for c in chunks], apply_in_step)
+                 if defer else apply_in_step(pairs))
+        init = tf.compat.v1.global_variables_initializer()
+    return dict(graph=graph, weights=weights, x=x, loss=loss, train=train, init=init,
+                reduced=reduced, saver=None)
+
+
+def _train_chain(model, steps=4):
+    """Losses, validation losses between the steps, final weights (read, not flushed)."""
+    import numpy as np
+    import tensorflow as tf
+    data = np.random.default_rng(5).normal(size=(steps + 1, 4, 8)).astype(np.float32)
+    losses, validations = [], []
+    with tf.compat.v1.Session(graph=model["graph"]) as session:
+        session.run(model["init"])
+        for index in range(steps):
+            losses.append(session.run([model["loss"], model["train"]],
+                                      {model["x"]: data[index]})[0])
+            validations.append(session.run(model["loss"], {model["x"]: data[steps]}))
+        return losses, validations, session.run(model["weights"])
+
+
+def test_deferred_updates_are_applied_once_by_whichever_run_uses_the_variable_first():
+    """With an Identity for the reduction (no Horovod): training with loss-only runs
+    between the steps gives the in-step losses, validation losses and weights bit for
+    bit (each deferred gradient applied once, with its own step's decayed rate), and the
+    first layer's forward read waits for its chunk's apply."""
+    import numpy as np
+    from tfoverlap.horovod.deferred import deferral_summary
+    plain = _train_chain(_chain_graph(defer=False))
+    model = _chain_graph(defer=True)
+    assert deferral_summary(model["graph"])["deferred"] == 2
+    deferred = _train_chain(model)
+    assert [float(v) for v in deferred[0]] == [float(v) for v in plain[0]]
+    assert [float(v) for v in deferred[1]] == [float(v) for v in plain[1]]
+    assert all(np.array_equal(a, b) for a, b in zip(deferred[2], plain[2]))
+    read = next(op for op in model["weights"][0].handle.consumers()
+                if op.type == "ReadVariableOp" and op.outputs[0].consumers()
+                and op.outputs[0].consumers()[0].type == "MatMul")
+    assert any(control.name.startswith("tfoverlap/deferred/chunk0/apply")
+               for control in read.control_inputs), read.control_inputs
+
+
+def test_a_clip_after_the_reduction_defers_nothing_and_says_why(caplog):
+    import logging
+    from tfoverlap.horovod.deferred import deferral_summary
+    caplog.set_level(logging.WARNING, logger="tfoverlap")
+    model = _chain_graph(defer=True, clip=True)
+    assert deferral_summary(model["graph"]) == {}
+    assert "w0 is not the reduced gradient" in caplog.text
+
+
+def test_a_use_of_a_deferred_reduced_gradient_built_later_stops_every_run():
+    """It exists only in the background run: a run that needed it would wait for ever."""
+    import tensorflow as tf
+    from tfoverlap.horovod.deferred import DeferralError
+    model = _chain_graph(defer=True)
+    with model["graph"].as_default():
+        norm = tf.norm(model["reduced"][0], name="gradient_norm")
+    with tf.compat.v1.Session(graph=model["graph"]) as session:
+        for _ in range(2):          # every run, not only the first
+            with pytest.raises(DeferralError, match="gradient_norm/mul uses the reduced "
+                                                    "gradient Identity:0"):
+                session.run(model["init"])
