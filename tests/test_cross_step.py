@@ -174,3 +174,10 @@ def test_a_use_of_a_deferred_reduced_gradient_built_later_stops_every_run():
             with pytest.raises(DeferralError, match="gradient_norm/mul uses the reduced "
                                                     "gradient Identity:0"):
                 session.run(model["init"])
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "Auto"])
+def test_a_cross_step_setting_other_than_true_false_or_auto_is_named(value):
+    import tfoverlap.horovod as tfo_hvd
+    with pytest.raises(ValueError, match='cross_step must be True, False or "auto"'):
+        tfo_hvd.configure(cross_step=value)

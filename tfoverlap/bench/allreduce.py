@@ -236,13 +236,16 @@ def predicted_step(variant: str, caramel: dict) -> float:
     """The step Caramel's simulation predicted for ``variant`` (seconds as planned; NaN
     where nothing predicts it): its plan's step for a Caramel variant that planned, the
     step under Horovod's own fusion for Horovod's defaults and for a Caramel variant that
-    stepped aside."""
+    stepped aside; with gradients deferred, the step predicted with them deferred."""
     summaries = {name: summary for name, summary in (caramel or {}).items() if summary}
     if variant in CARAMEL_VARIANTS:
         summary = summaries.get(variant) or {}
+        deferral = summary.get("cross_step") or {}
+        if deferral.get("deferred"):
+            return float(deferral["predicted_step_ms"]) / 1e3
         key = "predicted_horovod_step_s" if summary.get("declined") else "predicted_step_s"
         return float(summary.get(key, math.nan))
-    if variant == "horovod":
+    if variant in ("horovod", "horovod_again"):
         return next((float(s["predicted_horovod_step_s"]) for s in summaries.values()
                      if "predicted_horovod_step_s" in s), math.nan)
     return math.nan
@@ -259,7 +262,7 @@ def summarize(result: dict) -> list[dict]:
     comm = statistics.median(times["comm_only"]) if "comm_only" in times else math.nan
     comp = statistics.median(times["compute_only"]) if "compute_only" in times else math.nan
     rows = []
-    for name in ("horovod", "autotune", "ddp25", *CARAMEL_VARIANTS):
+    for name in ("horovod", "horovod_again", "autotune", "ddp25", *CARAMEL_VARIANTS):
         if name not in times:
             continue
         spread = metrics.spread(times[name])

@@ -6,18 +6,21 @@ line with every variant's step times and what Caramel planned.
 
 Variants (each its own graph and session, same model, batch and seed):
   horovod       ``hvd.DistributedOptimizer`` as is (Horovod's cycle/buffer fusion).
+  horovod_again the same graph again: the A/A row, how far apart two identical variants
+                measure in this run.
   autotune      the same graph; meant for a job with ``HOROVOD_AUTOTUNE=1`` (process-wide).
   ddp25         explicit groups as PyTorch DDP buckets them: reverse parameter order,
                 25 MiB per bucket, the first 1 MiB.
   caramel       ``tfoverlap.horovod.DistributedOptimizer`` (network measured at start-up),
-                no options: it steps aside where it predicts no gain.
+                default options: cross-step overlap where the plan predicts a gain, the
+                in-step plan where that predicts one, else Horovod's own fusion.
   caramel_forced    the same, planning even where it predicts no gain (force=True).
   caramel_finished  forced, each bucket issued only once the one before is reduced.
   caramel_profiled  forced, planned with op times from a profiled warm-up of 3 steps
                 (``configure(profile_steps=3)``) instead of static estimates.
   caramel_cross_step  forced, the gradients ready last reduced under the next step's
-                forward pass (``configure(cross_step=True)``; its report says what was
-                deferred; the benchmark times steps and never flushes).
+                forward pass wherever they fit (``configure(cross_step=True)``; its
+                report says what was deferred).
   compute_only  the same model with a local optimizer: the step without communication.
   comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
 
@@ -50,7 +53,7 @@ CARAMEL_VARIANTS = {"caramel": {}, "caramel_forced": {"force": True},
                     "caramel_finished": {"force": True, "bucket_chain": "finished"},
                     "caramel_profiled": {"force": True, "profile_steps": 3},
                     "caramel_cross_step": {"force": True, "cross_step": True}}
-VARIANT_NAMES = ("horovod", "autotune", "ddp25", *CARAMEL_VARIANTS, "compute_only",
+VARIANT_NAMES = ("horovod", "horovod_again", "autotune", "ddp25", *CARAMEL_VARIANTS, "compute_only",
                  "comm_only")
 MIB = 2 ** 20
 
@@ -81,7 +84,7 @@ def _build(variant: str, args):
     # Embedding gradients are reduced dense in every variant (Horovod's explicit groups
     # cannot take IndexedSlices).
     def wrap(optimizer):
-        if variant in ("horovod", "autotune"):
+        if variant in ("horovod", "horovod_again", "autotune"):
             return hvd.DistributedOptimizer(optimizer, sparse_as_dense=True)
         if variant in CARAMEL_VARIANTS:
             return tfo_hvd.DistributedOptimizer(optimizer, sparse_as_dense=True)
@@ -230,7 +233,8 @@ def main(argv=None) -> int:
                                      for p in r.passes if p.name == "caramel"), None)
             deferral = deferral_summary(built[variant][2].graph)
             if caramel[variant] is not None and deferral:
-                caramel[variant] = {**caramel[variant], "cross_step": deferral}
+                caramel[variant] = {**caramel[variant], "cross_step": {
+                    **caramel[variant].get("cross_step", {}), **deferral}}
     build_seconds = time.perf_counter() - began
     for variant, (session, fetch, _) in built.items():
         for _ in range(args.warmup):

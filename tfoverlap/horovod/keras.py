@@ -13,7 +13,7 @@ through::
 """
 from __future__ import annotations
 
-from tfoverlap.horovod import _enable_for_functions, keeps_horovods_reduction
+from tfoverlap.horovod.wrappers import enable_for_functions, keeps_horovods_reduction
 
 __all__ = ["DistributedOptimizer"]
 
@@ -32,7 +32,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     op = hvd.Average if op is None else op
     process_set = hvd.global_process_set if process_set is None else process_set
     if not keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op):
-        _enable_for_functions()
+        enable_for_functions()
     return hvd_keras.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense,

@@ -1,0 +1,153 @@
+"""What the Horovod wrappers measure once per job, on rank 0, and share with every rank so
+that all ranks plan alike: the ring's bandwidth and latency, the host's FLOP rate, compute
+threads and Horovod's cycle, and the op times of a profiled warm-up
+(:mod:`tfoverlap.integrations.warmup_profile`)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from tfoverlap.log import logger
+
+__all__ = ["measure_network", "measure_flops", "host_facts", "warmup_profile",
+           "bytes_from_rank0", "EMULATION_OPTIONS"]
+
+
+def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
+                    repeats: int = 5) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of the ring AllReduce, fitted to the median times of
+    ``repeats`` AllReduces of two sizes; rank 0's values, broadcast to every rank. The
+    latency includes Horovod's per-request cost (negotiation, its cycle)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    ranks = hvd.size()
+    if ranks < 2:
+        return 125e6, 50e-6
+    steps = 2 * (ranks - 1)
+
+    def measure(run_small, run_large, agree):
+        timed = []
+        for run in (run_small, run_large):
+            times = []
+            for _ in range(repeats + 1):
+                began = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - began)
+            timed.append(float(np.median(times[1:])))
+        small, large = timed
+        latency = max(small / steps, 1e-6)
+        bandwidth = steps / ranks * (large_bytes - small_bytes) / max(large - small, 1e-6)
+        return agree(np.array([bandwidth, latency]))
+
+    small = np.ones(small_bytes // 4, np.float32)
+    large = np.ones(large_bytes // 4, np.float32)
+    if tf.executing_eagerly():
+        result = measure(
+            lambda: hvd.allreduce(tf.constant(small), op=hvd.Sum, name="tfoverlap_measure_s"),
+            lambda: hvd.allreduce(tf.constant(large), op=hvd.Sum, name="tfoverlap_measure_l"),
+            lambda values: hvd.broadcast(tf.constant(values), 0,
+                                         name="tfoverlap_measure_result").numpy())
+    else:
+        # Fed, not constant: Grappler would fold (run) an AllReduce of constants once, at
+        # optimization time.
+        with tf.Graph().as_default() as graph:
+            inputs = [tf.compat.v1.placeholder(tf.float32, data.shape) for data in (small, large)]
+            small_op, large_op = (tf.reduce_sum(hvd.allreduce(tensor, op=hvd.Sum, name=name))
+                                  for tensor, name in zip(inputs, ("tfoverlap_measure_s",
+                                                                   "tfoverlap_measure_l")))
+            values = tf.compat.v1.placeholder(tf.float64, [2])
+            agreed = hvd.broadcast(values, 0, name="tfoverlap_measure_result")
+        with tf.compat.v1.Session(graph=graph) as session:
+            result = measure(lambda: session.run(small_op, {inputs[0]: small}),
+                             lambda: session.run(large_op, {inputs[1]: large}),
+                             lambda found: session.run(agreed, {values: found}))
+    return float(result[0]), float(result[1])
+
+
+def _array_from_rank0(values: np.ndarray, name: str) -> np.ndarray:
+    """Rank 0's ``values`` (a 1-D array of the same length and dtype on every rank), on
+    every rank (fed, so that Grappler cannot fold the broadcast)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    with tf.Graph().as_default() as graph:
+        fed = tf.compat.v1.placeholder(tf.as_dtype(values.dtype), [len(values)])
+        agreed = hvd.broadcast(fed, 0, name=name)
+    with tf.compat.v1.Session(graph=graph) as session:
+        return session.run(agreed, {fed: values})
+
+
+def _from_rank0(values: list[float], name: str) -> list[float]:
+    """Rank 0's ``values``, on every rank."""
+    return [float(v) for v in _array_from_rank0(np.array(values, np.float64), name)]
+
+
+def bytes_from_rank0(payload: bytes, name: str) -> bytes:
+    """Rank 0's ``payload``, on every rank (whatever the others hold)."""
+    length = int(_from_rank0([float(len(payload))], name + "_length")[0])
+    if not length:
+        return b""
+    mine = np.frombuffer(payload, np.uint8) if len(payload) == length else np.zeros(
+        length, np.uint8)
+    return _array_from_rank0(mine, name).tobytes()
+
+
+def measure_flops() -> float:
+    """This host's FLOP/s (:func:`tfoverlap.costs.host.measure_flops`), for Caramel's op
+    time estimates when nothing was profiled; rank 0's value, broadcast to every rank."""
+    from tfoverlap.costs.host import measure_flops as measure_this_host
+    return _from_rank0([measure_this_host()], "tfoverlap_measure_flops")[0]
+
+
+def host_facts() -> dict:
+    """Rank 0's compute threads and Horovod cycle (ms), which Caramel plans with: every rank
+    must plan alike, however its host differs."""
+    from tfoverlap.planning.caramel import horovod_cycle_seconds
+    threads, cycle_ms = _from_rank0([float(os.cpu_count() or 1),
+                                     horovod_cycle_seconds(0.0) * 1e3], "tfoverlap_host_facts")
+    return {"threads": int(threads), "cycle_ms": cycle_ms}
+
+
+EMULATION_OPTIONS = ("emulate", "dilation", "emulate_streams", "emulate_blocking")
+
+
+def warmup_profile(graph, gradients, steps: int, options: dict) -> str:
+    """Every rank runs the profiled warm-up (so that the ranks contend for the host as in
+    training); rank 0's profile is written to a file of this rank and its path returned,
+    or "" (with a warning) where rank 0's warm-up could not run."""
+    from tfoverlap.costs.profile import load_profile
+    from tfoverlap.integrations.warmup_profile import WarmupError, profile_gradients
+    config = None
+    if options.get("emulate"):
+        from tfoverlap.api import session_config
+        config = session_config(schedule="none", **{name: options[name]
+                                                     for name in EMULATION_OPTIONS
+                                                     if name in options})
+    began = time.perf_counter()
+    try:
+        measured = profile_gradients(graph, gradients, steps, config)
+        payload = json.dumps(measured.to_json()).encode()
+    except WarmupError as error:
+        logger.warning("tfoverlap: the profiled warm-up (profile_steps=%d) cannot run: %s",
+                       steps, error)
+        payload = b""
+    except Exception as error:  # noqa: BLE001 - a warm-up never stops training
+        logger.warning("tfoverlap: the profiled warm-up (profile_steps=%d) failed (%s: %s)",
+                       steps, type(error).__name__, error)
+        payload = b""
+    shared = bytes_from_rank0(payload, "tfoverlap_warmup_profile")
+    if not shared:
+        logger.warning("tfoverlap: no profiled warm-up on rank 0; Caramel plans with static "
+                       "estimates")
+        return ""
+    handle, path = tempfile.mkstemp(prefix="tfoverlap-warmup-", suffix=".json")
+    with os.fdopen(handle, "wb") as stream:     # rank 0's profile file, as it wrote it
+        stream.write(shared)
+    loaded = load_profile(path)           # validated like any profile file
+    logger.info("tfoverlap: profiled warm-up: %d steps, %d ops timed in %.1f s (rank 0's)",
+                loaded.steps, len(loaded.op_seconds), time.perf_counter() - began)
+    return path
+

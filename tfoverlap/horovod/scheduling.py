@@ -1,0 +1,124 @@
+"""The plan glue of the graph-mode wrapper: the Caramel pass run on the graph being built
+and applied in place, and cross-step overlap's decision (what to defer, the predicted
+step, why nothing was) before the deferral is built (:mod:`tfoverlap.horovod.deferred`)."""
+from __future__ import annotations
+
+import os
+
+from tfoverlap.horovod.measure import EMULATION_OPTIONS, warmup_profile
+from tfoverlap.horovod.settings import caramel_options, wrapper_option
+from tfoverlap.log import logger
+
+__all__ = ["schedule_in_place", "defer_and_schedule"]
+
+
+def schedule_in_place(graph, gradients=(), cross_step: dict | None = None) -> None:
+    """Runs the Caramel pass on ``graph`` as built so far and applies it in place.
+
+    With ``profile_steps`` configured it plans with the op times of a profiled warm-up of
+    ``gradients``. With ``emulate`` configured Caramel plans with the emulated op times,
+    and the emulation itself, which replaces ops (a graph being built cannot have ops
+    replaced), is left to the sessions: every session created afterwards runs the emulate
+    pass."""
+    from tfoverlap.api import enable_for_sessions
+    from tfoverlap.integrations.live_graph import apply_rewrite
+    from tfoverlap.options import parse_options
+    from tfoverlap.passes.base import REPORTS, PassContext
+    from tfoverlap.passes.pipeline import run_pipeline
+    options = caramel_options()
+    steps = wrapper_option("profile_steps", 0)
+    profiled = warmup_profile(graph, gradients, steps, options) if steps and gradients else ""
+    if profiled:
+        options["profile"] = profiled
+    before = graph.as_graph_def()
+    context = PassContext(options=parse_options(options), skip=("emulate",))
+    try:
+        after, report = run_pipeline(before, context)
+    finally:
+        if profiled:
+            os.remove(profiled)
+    if options.get("emulate"):
+        enable_for_sessions(schedule="none", **{name: options[name]
+                                                for name in EMULATION_OPTIONS if name in options})
+    if report.modified:
+        apply_rewrite(graph, before, after)
+    if cross_step is not None:
+        for result in report.passes:
+            if result.name == "caramel":
+                result.summary["cross_step"] = cross_step
+    REPORTS.append(report)
+    logger.info("%s", report)
+
+
+def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, variables,
+                        reduced, allreduces, gradients):
+    """cross_step: builds the step with the updates of the gradients that become ready
+    last deferred to the next step (:mod:`tfoverlap.horovod.deferred`), then plans the
+    rest of the step; returns the train op. ``mode`` "auto" defers where the predicted
+    step gains at least min_gain over the in-step plan's; True wherever a reduction fits
+    under the forward pass."""
+    from tfoverlap.costs.network import ring_allreduce_seconds
+    from tfoverlap.horovod.deferred import defer_updates
+    from tfoverlap.options import link_bandwidth, parse_options
+    from tfoverlap.planning.caramel import (deferred_chunks, deferred_step,
+                                            horovod_cycle_seconds, plan_for_graph,
+                                            request_latency)
+    graph = grads_and_vars[0][1].graph
+    # Pair i of grads_and_vars is entry reduced_at[i] of what the reduction returned.
+    reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
+                       None) for pair in grads_and_vars]
+    options = parse_options(caramel_options())
+    decision = {"mode": "auto" if mode == "auto" else "on", "deferred": 0}
+    chunks = []
+    try:
+        plan, inputs = plan_for_graph(graph.as_graph_def(), options)
+        latency = request_latency(options.latency, inputs.ranks,
+                                  horovod_cycle_seconds(options.cycle_ms))
+        rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
+                                              0.0)) for size in plan.sizes]
+        request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
+        pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)
+                   if j is not None and allreduces[j] is not None}
+        # The plan may hold other optimizers' reductions: this one defers its own.
+        positions = [[p for p in chunk if plan.model.names[plan.nodes[p]] in pair_of]
+                     for chunk in deferred_chunks(plan, rings, request_seconds=request)]
+        positions = [chunk for chunk in positions if chunk]
+        in_step = min(plan.predicted_step, plan.baseline_step)
+        predicted = deferred_step(plan, rings, positions, request)
+        gain = 1.0 - predicted / in_step if in_step > 0 else 0.0
+        decision.update(in_step_ms=round(in_step * 1e3, 3),
+                        predicted_step_ms=round(predicted * 1e3, 3),
+                        predicted_gain=round(gain, 4))
+        chunks = [[pair_of[plan.model.names[plan.nodes[p]]] for p in chunk]
+                  for chunk in positions]
+        if not chunks:
+            decision["reason"] = ("no reduction of the plan's tail fits under the forward "
+                                  "pass")
+        elif mode == "auto" and gain < options.min_gain:
+            decision["reason"] = (f"deferring would take the step from {in_step * 1e3:.3g} "
+                                  f"to {predicted * 1e3:.3g} ms ({gain:+.1%}), below "
+                                  f"min_gain {options.min_gain:.1%}")
+            chunks = []
+    except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
+        logger.warning("tfoverlap: cross_step: no plan to defer with (%s: %s); nothing "
+                       "deferred", type(error).__name__, error)
+        decision["reason"] = f"no plan ({type(error).__name__}: {error})"
+    if chunks:
+        train = defer_updates(optimizer, grads_and_vars, _aligned(grads, reduced_at),
+                              _aligned(reduced, reduced_at), _aligned(allreduces, reduced_at),
+                              chunks, apply_in_step)
+        from tfoverlap.horovod.deferred import deferral_summary
+        decision["deferred"] = deferral_summary(graph).get("deferred", 0)
+        if not decision["deferred"]:
+            decision["reason"] = "outside the contract (see the warning)"
+    else:
+        logger.info("tfoverlap: cross_step: nothing deferred: %s", decision.get("reason"))
+        train = apply_in_step(grads_and_vars)
+    schedule_in_place(graph, gradients, cross_step=decision)
+    return train
+
+
+def _aligned(values, indices):
+    """``values`` reordered by ``indices`` (None where an index is None)."""
+    return [None if index is None else values[index] for index in indices]
+

@@ -1,0 +1,92 @@
+"""The options the Horovod wrappers plan with: what :func:`configure` was given, else
+what was measured once (:mod:`tfoverlap.horovod.measure`)."""
+from __future__ import annotations
+
+from tfoverlap.horovod.measure import host_facts, measure_flops, measure_network
+from tfoverlap.log import logger
+
+__all__ = ["configure", "network_model", "caramel_options", "wrapper_option",
+           "wrapper_options"]
+
+_configured: dict = {}
+_configured_wrapper: dict = {}
+_measured: dict = {}
+
+
+def configure(profile_steps: int = 0, cross_step: bool | str = "auto", **options) -> None:
+    """Options for the Caramel pass the wrappers run (see :class:`tfoverlap.options.Options`:
+    bandwidth, latency, split_bytes, flops, profile, ...). Validated here.
+
+    ``profile_steps=N``: graph-mode optimizers plan with op times measured by N traced
+    warm-up steps of the gradients (rank 0's; every rank must configure alike) instead of
+    static estimates. Where the warm-up cannot run, a warning says why and the estimates
+    are used.
+
+    ``cross_step``: graph-mode optimizers reduce the gradients that become ready last
+    under the next step's forward pass (:mod:`tfoverlap.horovod.deferred`; every value a
+    run returns, every checkpoint and the final weights are plain Horovod's). "auto" (the
+    default): where Caramel's plan predicts a step at least ``min_gain`` faster than its
+    in-step plan's; True: wherever a reduction fits under the forward pass; False:
+    never."""
+    from tfoverlap.options import parse_options
+    if (not isinstance(profile_steps, int) or isinstance(profile_steps, bool)
+            or not 0 <= profile_steps <= 100):
+        raise ValueError(f"profile_steps must be an integer from 0 to 100, not "
+                           f"{profile_steps!r}")
+    if not (cross_step is True or cross_step is False
+            or isinstance(cross_step, str) and cross_step == "auto"):
+        raise ValueError(f"cross_step must be True, False or \"auto\", not {cross_step!r}")
+    if profile_steps and options.get("profile"):
+        raise ValueError("give either profile (a profile file) or profile_steps (a "
+                           "profiled warm-up), not both")
+    parse_options({**options, "allreduce": "caramel"})
+    _configured.clear()
+    _configured.update(options)
+    _configured_wrapper.clear()
+    if profile_steps:
+        _configured_wrapper["profile_steps"] = profile_steps
+    if cross_step != "auto":
+        _configured_wrapper["cross_step"] = cross_step
+
+
+
+def wrapper_option(name: str, default=None):
+    """A wrapper option :func:`configure` was given (profile_steps, cross_step)."""
+    return _configured_wrapper.get(name, default)
+
+
+def wrapper_options() -> dict:
+    """The wrapper options :func:`configure` was given explicitly."""
+    return dict(_configured_wrapper)
+
+
+def network_model() -> dict:
+    """The bandwidth, latency and FLOP rate the wrappers plan with (configured or
+    measured)."""
+    return {key: _configured.get(key, _measured.get(key))
+            for key in ("bandwidth", "latency", "flops")}
+
+
+def caramel_options() -> dict:
+    """The options the wrappers pass to the Caramel pass (measuring the network once if
+    neither bandwidth nor latency was configured)."""
+    options = {"allreduce": "caramel", "schedule": "none", **_configured}
+    if "bandwidth" not in options and "latency" not in options:
+        if "bandwidth" not in _measured:
+            bandwidth, latency = measure_network()
+            _measured.update(bandwidth=bandwidth, latency=latency)
+            logger.info("tfoverlap: measured AllReduce bandwidth %.3g B/s, latency %.3g s",
+                        bandwidth, latency)
+        options.update(bandwidth=_measured["bandwidth"], latency=_measured["latency"])
+    if "flops" not in options and "profile" not in options:
+        if "flops" not in _measured:
+            _measured["flops"] = measure_flops()
+            logger.info("tfoverlap: measured %.3g FLOP/s", _measured["flops"])
+        options["flops"] = _measured["flops"]
+    if "threads" not in options or "cycle_ms" not in options:
+        if "threads" not in _measured:
+            _measured.update(host_facts())
+        options.setdefault("threads", _measured["threads"])
+        options.setdefault("cycle_ms", _measured["cycle_ms"])
+    return options
+

@@ -1,0 +1,178 @@
+"""The drop-in ``DistributedOptimizer`` (graph mode and TF2) and
+``DistributedGradientTape``: Horovod's wrappers, with the gradients reduced by plain
+HorovodAllreduce ops that Caramel plans (graph mode), or with the TfOverlap optimizer on
+for the ``tf.function`` graphs of this thread (TF2)."""
+from __future__ import annotations
+
+import logging
+
+from tfoverlap.horovod.scheduling import defer_and_schedule, schedule_in_place
+from tfoverlap.horovod.settings import caramel_options, wrapper_option, wrapper_options
+from tfoverlap.log import logger
+
+__all__ = ["DistributedOptimizer", "DistributedGradientTape", "keeps_horovods_reduction",
+           "enable_for_functions", "flush_op"]
+
+
+def _reduce_without_cond(grads, device_dense, device_sparse, compression, sparse_as_dense,
+                         op, gradient_predivide_factor, process_set):
+    """Horovod's gradient reduction as plain ops (what Horovod's cond holds)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    if op == hvd.Average and gradient_predivide_factor != 1.0:
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    else:
+        prescale = postscale = 1.0
+    reduced = []
+    for grad in grads:
+        if grad is None:
+            reduced.append(None)
+            continue
+        if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        reduced.append(hvd.allreduce(grad, device_dense=device_dense,
+                                     device_sparse=device_sparse, compression=compression,
+                                     op=op, prescale_factor=prescale,
+                                     postscale_factor=postscale, process_set=process_set))
+    return reduced
+
+
+def keeps_horovods_reduction(groups, num_groups: int, backward_passes_per_step: int,
+                             op) -> bool:
+    """Whether an optimizer wrapper must leave the reduction to Horovod (explicit groups,
+    gradient accumulation, Adasum), saying so in one warning."""
+    import horovod.tensorflow as hvd
+    unsupported = [reason for reason, present in (
+        ("explicit groups", groups is not None or num_groups),
+        ("backward_passes_per_step > 1", backward_passes_per_step > 1),
+        ("Adasum", op == hvd.Adasum)) if present]
+    if unsupported:
+        logger.warning("tfoverlap: %s: Horovod's own reduction is used, without Caramel",
+                       ", ".join(unsupported))
+    return bool(unsupported)
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
+                         device_sparse="", compression=None, sparse_as_dense=False,
+                         backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=None, scale_local_gradients=True):
+    """``hvd.DistributedOptimizer`` with Caramel's schedule (same arguments).
+
+    Explicit ``groups``, gradient accumulation (``backward_passes_per_step > 1``) and
+    Adasum keep Horovod's own reduction (Caramel's buckets would replace the first, and
+    the others reduce differently), with a warning.
+    """
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    compression = hvd.Compression.none if compression is None else compression
+    op = hvd.Average if op is None else op
+    process_set = hvd.global_process_set if process_set is None else process_set
+    wrapped = hvd.DistributedOptimizer(
+        optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
+        device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=backward_passes_per_step, op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op):
+        return wrapped
+    if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        enable_for_functions()
+        return wrapped
+    if tf.executing_eagerly():
+        logger.warning("tfoverlap: a tf.compat.v1 optimizer run eagerly has no graph to "
+                       "schedule; plain Horovod is used")
+        return wrapped
+
+    pending: dict = {}      # cross_step: what apply_gradients defers once the updates exist
+
+    def reduce_and_schedule(grads, variables=None, use_generic_names=False):
+        reduced = _reduce_without_cond(grads, device_dense, device_sparse, compression,
+                                       sparse_as_dense, op, gradient_predivide_factor,
+                                       process_set)
+        if process_set.size() < 2:
+            return reduced
+        from tfoverlap.horovod.deferred import deferral_refused, reducing_allreduce
+        allreduces = [reducing_allreduce(r) if isinstance(r, tf.Tensor) else None
+                      for r in reduced]
+        # The rewrite re-points the consumers of each reduced tensor: these Identities.
+        reduced = [tf.identity(r) if isinstance(r, tf.Tensor) else r for r in reduced]
+        dense = [r for r in reduced if isinstance(r, tf.Tensor)]
+        if not dense:
+            return reduced
+        gradients = [g for g in grads if isinstance(g, tf.Tensor)]
+        mode = wrapper_option("cross_step", "auto")
+        decision = None
+        if mode:
+            refused = (deferral_refused(optimizer, variables, reduced, compression)
+                       if variables is not None else "Horovod did not name the variables")
+            if not refused:
+                pending.update(grads=list(grads), variables=list(variables),
+                               reduced=reduced, allreduces=allreduces, gradients=gradients,
+                               mode=mode)
+                return reduced
+            # Asked for: a warning; on by default: one INFO line.
+            logger.log(logging.WARNING if mode is True else logging.INFO,
+                       "tfoverlap: cross_step: %s; the step is planned on its own", refused)
+            decision = {"mode": "on" if mode is True else "auto", "deferred": 0,
+                        "reason": refused}
+        schedule_in_place(dense[0].graph, gradients, cross_step=decision)
+        return reduced
+
+    original_apply = wrapped.apply_gradients
+
+    def apply_and_defer(grads_and_vars, global_step=None, name=None):
+        if not pending:
+            return original_apply(grads_and_vars, global_step=global_step, name=name)
+        deferrable = dict(pending)
+        pending.clear()
+        return defer_and_schedule(
+            optimizer, list(grads_and_vars),
+            lambda pairs: original_apply(pairs, global_step=global_step, name=name),
+            **deferrable)
+
+    wrapped._allreduce_grads = reduce_and_schedule  # noqa: SLF001 - Horovod's hook
+    wrapped.apply_gradients = apply_and_defer
+    return wrapped
+
+
+def flush_op(graph=None):
+    """cross_step: the op that applies every pending deferred update (optional: any run
+    that uses a deferred variable applies its update first); None where nothing was
+    deferred."""
+    from tfoverlap.horovod.deferred import flush_op as deferred_flush
+    return deferred_flush(graph)
+
+
+def enable_for_functions() -> None:
+    from tfoverlap.api import enable_for_tf_function
+    if wrapper_options():
+        logger.warning("tfoverlap: %s applies to graph-mode (tf.compat.v1) optimizers; "
+                       "tf.function steps are planned when first traced, within the step, "
+                       "with static estimates or a profile file (profile=)",
+                       " and ".join(sorted(wrapper_options())))
+    enable_for_tf_function(**caramel_options())
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
+                            sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None, process_set=None,
+                            scale_local_gradients=True):
+    """``hvd.DistributedGradientTape`` with Caramel's schedule for ``tf.function`` steps
+    (same arguments)."""
+    import horovod.tensorflow as hvd
+    compression = hvd.Compression.none if compression is None else compression
+    op = hvd.Average if op is None else op
+    process_set = hvd.global_process_set if process_set is None else process_set
+    if groups is None and not num_groups:
+        enable_for_functions()
+    else:
+        logger.warning("tfoverlap: explicit groups: Horovod's own reduction is used, "
+                       "without Caramel")
+    return hvd.DistributedGradientTape(
+        gradtape, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+        gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+
