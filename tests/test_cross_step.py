@@ -15,7 +15,7 @@ JOB = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_contract.py")
 
 EXACT = ["plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
          "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule", "adam",
-         "nesterov", "make_callable"]
+         "nesterov", "make_callable", "monitored_session"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,9 @@ def test_every_value_checkpoint_and_weight_is_horovods(patterns, pattern):
     - restore_plain_checkpoint: a checkpoint written by plain Horovod restores;
     - flush_midway: the flush in mid-training (Momentum gets no extra update);
     - two_optimizers: a second deferring optimizer trained in its own runs;
-    - schedule, adam, nesterov: a decayed rate, Adam's beta powers, Nesterov momentum."""
+    - schedule, adam, nesterov: a decayed rate, Adam's beta powers, Nesterov momentum;
+    - make_callable, monitored_session: a step callable, and MonitoredTrainingSession
+      with Horovod's broadcast hook (a finalized graph)."""
     for rank, records in enumerate(patterns):
         plain, deferred = records[pattern]["horovod"], records[pattern]["cross_step"]
         assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)

@@ -23,7 +23,8 @@ from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
 
 PATTERNS = ("plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
             "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule",
-            "adam", "nesterov", "clip", "gradient_after", "accumulation", "make_callable")
+            "adam", "nesterov", "clip", "gradient_after", "accumulation", "make_callable",
+            "monitored_session")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
 STEPS = 4
@@ -129,6 +130,17 @@ def train(pattern, variant):
     model = build(pattern, tfo_hvd if variant == "cross_step" else hvd)
     graph, x, y = model["graph"], model["x"], model["y"]
     values, record = [], {}
+    if pattern == "monitored_session":     # Horovod's examples: hooks, a finalized graph
+        with graph.as_default():
+            with tf.compat.v1.train.MonitoredTrainingSession(
+                    hooks=[hvd.BroadcastGlobalVariablesHook(0)]) as session:
+                for index in range(STEPS):
+                    values.append(float(session.run(
+                        [model["loss"], model["train"]],
+                        {x: INPUTS[index], y: LABELS[index]})[0]))
+                final = session.run(model["weights"])
+        return {"values": values, "final": [w.tolist() for w in final],
+                "deferred": deferral_summary(graph)}
     session = tf.compat.v1.Session(graph=graph)
     session.run(model["init"])
     if pattern == "restore_plain_checkpoint":
