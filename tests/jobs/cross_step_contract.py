@@ -19,6 +19,7 @@ tf.compat.v1.disable_eager_execution()
 import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
+from job_logging import Warnings  # noqa: E402 - this directory
 from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
 
 PATTERNS = ("plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
@@ -39,15 +40,6 @@ data = np.random.default_rng(100 + RANK)
 INPUTS = data.normal(size=(STEPS, 32, 64)).astype(np.float32)
 LABELS = data.integers(0, 10, size=(STEPS, 32))
 VALIDATION = np.random.default_rng(999).normal(size=(32, 64)).astype(np.float32)
-
-
-class Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def chain(x, weights, batch_norm=False):

@@ -15,6 +15,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
+from job_logging import Warnings  # noqa: E402 - this directory
 from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
 
 #: variant -> (optimizer, compression, an extra variable: "" none, "unreached" one the
@@ -40,17 +41,6 @@ initial = [weights_rng.normal(0, 0.1, shape).astype(np.float32)
 data = np.random.default_rng(100 + hvd.rank())
 inputs = data.normal(size=(STEPS, 32, 128)).astype(np.float32)
 labels = data.integers(0, 10, size=(STEPS, 32))
-
-
-class Warnings(logging.Handler):
-    """Keeps the messages of the warnings logged."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def train(variant: str, distributed) -> dict:
