@@ -169,3 +169,21 @@ def test_cross_step_defers_the_last_ready_gradients_within_the_forward_pass_and_
     tiny = [0.0001] * 40
     assert deferred_chunks(_plan_with(ready, finish=ready[-1] + 0.0015), tiny, chunks=3,
                            request_seconds=0.001) == []
+
+
+def test_the_deferred_step_saves_the_deferred_ring_time_less_the_first_chunks_wait():
+    """The ring's in-step work ends earlier by the deferred ring time, not before the last
+    gradient is ready; the next forward pass first waits for the first chunk."""
+    from tfoverlap.planning.caramel import deferred_step
+    ready = [0.020 + 0.001 * i for i in range(40)]
+    plan = _plan_with(ready, finish=0.200)
+    plan.predicted_step = 0.200
+    rings = [0.001] * 40
+    assert deferred_step(plan, rings, []) == 0.200
+    # 10 ms deferred in chunks of 2 and 8 ms: 190 ms, plus chunk 0 (2 ms) and a request.
+    chunks = [[39, 38], list(range(37, 29, -1))]
+    assert deferred_step(plan, rings, chunks, 0.0005) == pytest.approx(0.1925)
+    # Never below the last gradient's readiness (59 ms) plus the wait.
+    plan.predicted_step = 0.070
+    assert deferred_step(plan, rings, [[39], list(range(38, 19, -1))], 0.0) == \
+        pytest.approx(0.059 + 0.001)

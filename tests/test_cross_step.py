@@ -52,6 +52,9 @@ def test_every_value_checkpoint_and_weight_is_horovods(patterns, pattern):
         assert deferred.get("checkpoint") == plain.get("checkpoint"), rank
         assert deferred["final"] == plain["final"], rank
         assert deferred["warnings"] == [], (rank, deferred["warnings"])
+        decision = deferred["decisions"][-1]      # what the Caramel report says
+        assert decision["deferred"] >= 1 and decision["mode"] == "on", decision
+        assert decision["predicted_step_ms"] > 0 and decision["in_step_ms"] > 0, decision
     if pattern == "two_optimizers":
         assert all(r[pattern]["cross_step"]["deferred"]["optimizers"] == 2 for r in patterns)
     if pattern == "checkpoint":
@@ -70,6 +73,16 @@ def test_a_program_outside_the_contract_is_refused_in_one_warning_and_trains_exa
         assert len(deferred["warnings"]) == 1 and warning in deferred["warnings"][0], \
             deferred["warnings"]
         assert deferred["values"] == plain["values"] and deferred["final"] == plain["final"]
+
+
+def test_on_by_default_it_defers_nothing_below_min_gain_and_the_report_says_why(patterns):
+    for records in patterns:
+        record = records["auto_declined"]["cross_step"]
+        assert record["deferred"] == {} and record["warnings"] == [], record["warnings"]
+        decision, = record["decisions"]
+        assert decision["mode"] == "auto" and decision["deferred"] == 0, decision
+        assert "below min_gain 99.0%" in decision["reason"], decision
+        assert record["values"] == records["auto_declined"]["horovod"]["values"]
 
 
 def test_a_reduced_gradient_used_after_the_step_is_built_stops_before_any_run(patterns):

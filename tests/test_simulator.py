@@ -197,3 +197,158 @@ def test_simulate_prints_the_phases_and_the_best_variant(chain_training, tmp_pat
         assert float(gain.rstrip("x")) == pytest.approx(times["default"] / times[best], abs=0.01)
         assert rest == phases
     assert rows[1].split()[4] == "tic"     # 8 PS tasks: ordering hides the pulls
+
+
+# ------------------------------------------------------------------ the colocated layout
+def chain_scenario(workers, ps_tasks, layout):
+    from tfoverlap.sim.whatif import Scenario
+    return Scenario(workers=workers, bandwidth=LINK, latency=0.0, ps_tasks=ps_tasks,
+                    layout=layout)
+
+
+def test_a_colocated_worker_reaches_its_own_hosts_ps_task_off_the_link(chain_training):
+    from tfoverlap.sim.scenario import ALONE
+    from tfoverlap.sim.whatif import predict
+    graph_def, train = chain_training
+    kernel = KERNEL_BYTES / LINK
+    profile = chain_profile(graph_def, 0.008)
+    # One host: the worker and its PS task; nothing crosses a link.
+    alone = predict(graph_def, chain_scenario(1, 1, "colocated"), ["default", "tic"],
+                    profile=profile, fetches=[train])
+    for prediction in alone:
+        assert prediction.phase == ALONE and prediction.comm == pytest.approx(0.0, abs=1e-12)
+        assert prediction.iteration == pytest.approx(prediction.comp)
+    dedicated = predict(graph_def, chain_scenario(1, 1, "dedicated"), ["default"],
+                        fetches=[train])[0]
+    assert dedicated.iteration == pytest.approx(2 * LAYERS * kernel, rel=1e-3)
+    # Two hosts, a PS task each: worker 0 moves only the other host's half of the kernels
+    # over its link (full duplex: pulls, then pushes), at the whole link, no one else
+    # pulling that shard over it.
+    two = predict(graph_def, chain_scenario(2, 2, "colocated"), ["default", "tic"],
+                  fetches=[train])
+    for prediction in two:
+        assert prediction.iteration == pytest.approx(LAYERS * kernel, rel=1e-3)
+    two_dedicated = predict(graph_def, chain_scenario(2, 2, "dedicated"), ["tic"],
+                            fetches=[train])[0]
+    assert two_dedicated.iteration == pytest.approx(2 * LAYERS * kernel, rel=1e-3)
+
+
+@pytest.mark.parametrize("workers", [4, 8])
+def test_colocated_ps_links_are_shared_by_every_worker_but_their_hosts_own(chain_training,
+                                                                          workers):
+    from tfoverlap.sim.scenario import LOCK_STEP
+    from tfoverlap.sim.whatif import predict
+    graph_def, train = chain_training
+    kernel = KERNEL_BYTES / LINK
+    shard = LAYERS // workers                 # kernels per PS task
+    colocated = predict(graph_def, chain_scenario(workers, workers, "colocated"),
+                        ["default", "tic"], fetches=[train])
+    dedicated = predict(graph_def, chain_scenario(workers, workers, "dedicated"),
+                        ["default", "tic"], fetches=[train])
+    for co, de in zip(colocated, dedicated):
+        assert co.phase == de.phase == LOCK_STEP
+        # Lock step, no compute: every other PS task's shard at 1/(workers - 1) of its
+        # link, pulls then pushes: (workers - 1)/workers of the dedicated layout's step,
+        # where workers share each PS link and the worker's own link carries everything.
+        assert co.iteration == pytest.approx(2 * (workers - 1) * shard * kernel, rel=1e-3)
+        assert de.iteration == pytest.approx(2 * LAYERS * kernel, rel=1e-3)
+
+
+def test_a_colocated_host_link_carries_its_workers_and_its_shards_traffic(chain_training):
+    from tfoverlap.sim import ps
+    from tfoverlap.sim.whatif import prune_to_fetches
+    graph_def, train = chain_training
+    workers = 4
+    spread = ps.spread_variables(prune_to_fetches(graph_def, [train]), "/job:ps", workers)
+    scenario = chain_scenario(workers, 0, "colocated")
+    graph = ps._PsGraph(spread, scenario, chain_profile(spread, 0.0))
+    own = graph.ps_tasks.index("ps:0")
+    assert graph.own == own and not graph.channels.count((own, graph.worker_host))
+    shard = (LAYERS // workers) * KERNEL_BYTES
+    assert graph.pull_bytes == pytest.approx([shard] * workers)
+    assert graph.push_bytes == pytest.approx([shard] * workers)
+    # No step is shorter than one host direction's bytes of both kinds: leaving a host,
+    # its shard to the 3 other workers and its worker's 3 shards pushed to the others.
+    assert ps._shortest_step(graph, scenario) == pytest.approx(6 * shard / LINK)
+    step = 10 * shard / LINK
+    links = ps._drifted_links(graph, scenario, step)
+    remote = [k for k in range(workers) if k != own]
+    # Another PS task's host: the 2 other workers pulling its shard, and its own worker's
+    # pushes of 3 shards, leave it; that worker's pulls of 3 shards and the 2 other
+    # workers' pushes enter it.
+    assert links.egress[remote] == pytest.approx([LINK - (2 + 3) * shard / step] * 3)
+    assert links.ingress[remote] == pytest.approx([LINK - (2 + 3) * shard / step] * 3)
+    # The simulated worker's own host: the 3 others pull its shard out of it and push
+    # their gradients into it, beside its own transfers.
+    assert links.egress[graph.worker_host] == pytest.approx(LINK - 3 * shard / step)
+    assert links.ingress[graph.worker_host] == pytest.approx(LINK - 3 * shard / step)
+    dedicated = ps._drifted_links(graph, chain_scenario(workers, 0, "dedicated"), step)
+    assert dedicated.egress[graph.worker_host] == LINK
+
+
+def test_the_colocated_default_drifts_where_a_host_direction_is_saturated(chain_training):
+    """Four workers, two of them beside a PS task: each shard's host sends it to three
+    workers and its own worker's pushes, more than a worker's own step; the default
+    drifts, and no step is shorter than that direction's bytes."""
+    from tfoverlap.sim.scenario import DRIFTED, LOCK_STEP
+    from tfoverlap.sim.whatif import predict
+    graph_def, train = chain_training
+    kernel = KERNEL_BYTES / LINK
+    default, tic = predict(graph_def, chain_scenario(4, 2, "colocated"), ["default", "tic"],
+                           fetches=[train])
+    assert (default.phase, tic.phase) == (DRIFTED, LOCK_STEP)
+    busiest = (3 + 1) * (LAYERS // 2) * kernel
+    assert default.lower >= busiest * (1 - 1e-9)
+    assert busiest * (1 - 1e-9) <= default.iteration < tic.iteration
+
+
+def test_the_contention_model_counts_a_colocated_hosts_two_kinds_of_traffic():
+    from tfoverlap.costs.contention import predict_steps
+    mb = 1e6
+    per_task = {f"ps:{k}": 25 * mb for k in range(4)}
+    colocated = predict_steps(per_task, per_task, workers=4, bandwidth=100 * mb,
+                              forward_seconds=0.5, backward_seconds=1.0, own_task="ps:0")
+    # Each phase: 3 x 25 MB leave every host (its shard) and enter it (its worker's
+    # pulls); per step each direction carries both kinds, 150 MB.
+    assert colocated.pull_seconds == colocated.push_seconds == pytest.approx(0.75)
+    assert colocated.link_seconds == pytest.approx(1.5) and not colocated.saturated
+    assert colocated.ordered == pytest.approx(0.75 + 1.0)
+    assert colocated.default == pytest.approx(0.75 + 0.5 + 1.0)
+    dedicated = predict_steps(per_task, per_task, workers=4, bandwidth=100 * mb,
+                              forward_seconds=0.5, backward_seconds=1.0)
+    assert dedicated.ordered == pytest.approx(2.0)
+    # All the bytes on one PS task, beside worker 0: the other three workers' pulls and
+    # pushes cross its host's link, and worker 0's none.
+    alone = predict_steps({"ps:0": 100 * mb}, {"ps:0": 100 * mb}, workers=4,
+                          bandwidth=100 * mb, forward_seconds=0.1, backward_seconds=0.2,
+                          own_task="ps:0")
+    assert alone.alone_seconds == pytest.approx(0.3)
+    assert alone.saturated and alone.default_drift >= 3.0 * (1 - 1e-9)
+
+
+def test_a_colocated_scenario_needs_a_worker_beside_every_ps_task(chain_training):
+    from tfoverlap.sim.whatif import Scenario, SimulationError, predict
+    graph_def, train = chain_training
+    with pytest.raises(SimulationError, match="unknown layout"):
+        predict(graph_def, Scenario(layout="shared"), fetches=[train])
+    with pytest.raises(SimulationError, match="colocated layout"):
+        predict(graph_def, chain_scenario(2, 4, "colocated"), fetches=[train])
+    from tfoverlap.sim import ps
+    spread = ps.spread_variables(graph_def, "/job:ps", 4)
+    with pytest.raises(SimulationError, match="colocated layout"):
+        predict(spread, chain_scenario(2, 0, "colocated"), fetches=[train])
+
+
+def test_validation_compares_a_declined_pass_with_the_default():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "scripts", "validate_simulator.py")
+    spec = importlib.util.spec_from_file_location("validate_simulator", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.simulated_as("tic", {"ordering_edges": 21, "declined": ""}) == "tic"
+    assert script.simulated_as("tic", {"ordering_edges": "0", "declined": "below"}) == "default"
+    assert script.simulated_as("tac", {"ordering_edges": 0}) == "default"
+    assert script.simulated_as("default_again", {}) == "default"
+    assert script.simulated_as("tic", {}) == "tic"

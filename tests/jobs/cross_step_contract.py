@@ -18,6 +18,7 @@ import tensorflow as tf
 tf.compat.v1.disable_eager_execution()
 import horovod.tensorflow as hvd  # noqa: E402
 
+import tfoverlap  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
 from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
@@ -25,7 +26,7 @@ from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
 PATTERNS = ("plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
             "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule",
             "adam", "nesterov", "clip", "gradient_after", "accumulation", "make_callable",
-            "monitored_session")
+            "monitored_session", "auto_declined")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
 STEPS = 4
@@ -178,13 +179,20 @@ results = {}
 for pattern in sys.argv[1:] or PATTERNS:
     results[pattern] = {}
     for variant in ("horovod", "cross_step"):
-        tfo_hvd.configure(**OPTIONS, cross_step=variant == "cross_step")
+        # auto_declined: on by default, where deferring cannot gain min_gain (99%).
+        mode = variant == "cross_step" and ("auto" if pattern == "auto_declined" else True)
+        tfo_hvd.configure(**OPTIONS, cross_step=mode,
+                          **({"min_gain": 0.99} if pattern == "auto_declined" else {}))
         caught.messages.clear()
+        reports_before = len(tfoverlap.recent_reports())
         try:
             record = train(pattern, variant)
         except Exception as error:  # noqa: BLE001 - reported to the test
             record = {"error": f"{type(error).__name__}: {error}"}
         record["warnings"] = list(caught.messages)
+        record["decisions"] = [p.summary["cross_step"] for r in
+                               tfoverlap.recent_reports()[reports_before:]
+                               for p in r.passes if "cross_step" in p.summary]
         results[pattern][variant] = record
     tfo_hvd.configure()
 print(json.dumps({"rank": RANK, "patterns": results}), flush=True)
