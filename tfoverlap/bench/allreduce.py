@@ -287,6 +287,10 @@ def summarize(result: dict) -> list[dict]:
             "declined": bool(caramel.get("declined")),
             "predicted_gain": caramel.get("predicted_gain", ""),
         })
+        deferral = caramel.get("cross_step") or {}
+        if deferral.get("deferred"):
+            rows[-1].update(deferred_gradients=deferral["deferred"],
+                            deferred_mb=deferral.get("deferred_bytes", 0) / 1e6)
         if math.isfinite(predicted):
             rows[-1].update(predicted_s=predicted,
                             prediction_error=predicted / spread.median - 1)

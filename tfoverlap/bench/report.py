@@ -32,7 +32,8 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "declined",
                 "emulated", "dilation", "host_busy", "worker_cpu_share", "breakdown",
-                "predicted_s", "prediction_error", "round_low", "round_high", "command", "date")
+                "predicted_s", "prediction_error", "round_low", "round_high",
+                "deferred_gradients", "deferred_mb", "command", "date")
 _ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps")   # PS rows: per PS count
 
 
