@@ -11,9 +11,14 @@ shaped link rate and one compute stream; the profile holds the emulated kernels'
 Each row also says which phase the simulator assumed for the workers (lock step or drifted
 apart, see tfoverlap/sim/ps.py) and the measured medians of the first step of every block
 and of the later ones: the benchmark starts every block on all workers at once, so its
-first steps run in lock step, and the workers drift apart only after that. The simulator
-does not model a PS task on every worker's host (the "colocated" layout): such runs are
-simulated with dedicated PS hosts, and the table marks them.
+first steps run in lock step, and the workers drift apart only after that. Runs of the
+"colocated" layout (a PS task on every worker's host, ``layout`` in the run's config) are
+simulated in that layout (see tfoverlap/sim/ps.py), and the table marks them.
+
+Each measured variant is compared with the prediction of what ran: a second default
+("default_again") with the default's, and a TIC or TAC variant whose pass declined to
+order (its report says why, and it added no ordering edge) with the default's too, marked
+"declined" in the table with what the simulator predicts for the ordered graph.
 
     .venv/bin/python scripts/validate_simulator.py out/benchmarks [--markdown FILE]
 """
@@ -60,7 +65,8 @@ def main(argv=None) -> int:
         scenario = Scenario(workers=config["num_workers"],
                             bandwidth=config["bandwidth"] / dilation,
                             threads=1 if emulated else config["inter_op"],
-                            latency=args.latency_us * 1e-6)
+                            latency=args.latency_us * 1e-6,
+                            layout=config.get("layout") or "dedicated")
         profile = load_profile(profile_path)
         predictions = predict(graph_def, scenario, ALGORITHMS, profile=profile,
                               profile_path=profile_path, fetches=[fetch])
@@ -70,20 +76,29 @@ def main(argv=None) -> int:
         predict(graph_def, dataclasses.replace(scenario, seeds=1), ["tic"], profile=profile,
                 fetches=[fetch])
         seconds.append((time.perf_counter() - started) / 3)
-        for prediction in predictions:
-            if prediction.algorithm not in result["times"]:
+        by_algorithm = {prediction.algorithm: prediction for prediction in predictions}
+        for variant, times in result["times"].items():
+            algorithm = simulated_as(variant, result.get("passes", {}).get(variant) or {})
+            if algorithm not in by_algorithm:
                 continue
-            times = result["times"][prediction.algorithm]
+            prediction = by_algorithm[algorithm]
+            label = variant
+            if algorithm != variant and variant != "default_again":
+                ordered = by_algorithm.get(variant)
+                label += " (declined: the default ran" + (
+                    f"; ordered: {ordered.iteration / dilation:.3f} s)" if ordered else ")")
             measured = statistics.median(times) / dilation
             predicted = prediction.iteration / dilation
             error = (predicted - measured) / measured
             errors.append(abs(error))
-            worst[prediction.algorithm] = max(worst.get(prediction.algorithm, 0.0), abs(error))
-            ps = str(config["num_ps"]) + (" colocated" if config.get("layout") == "colocated"
+            key = variant if algorithm == variant or variant == "default_again" else (
+                f"{variant} declined")
+            worst[key] = max(worst.get(key, 0.0), abs(error))
+            ps = str(config["num_ps"]) + (" colocated" if scenario.layout == "colocated"
                                           else "")
-            blocks = result.get("blocks", {}).get(prediction.algorithm)
+            blocks = result.get("blocks", {}).get(variant)
             lines.append(f"| {config['model']} | {mode} | {config['num_workers']} | {ps} | "
-                         f"{prediction.algorithm} | {prediction.phase} | {measured:.3f} | "
+                         f"{label} | {prediction.phase} | {measured:.3f} | "
                          f"{block_steps(times, blocks, dilation)} | {predicted:.3f} | "
                          f"{100 * error:+.1f}% |")
     summary = (f"median absolute error {100 * statistics.median(errors):.1f}% over "
@@ -96,6 +111,19 @@ def main(argv=None) -> int:
         with open(args.markdown, "w") as stream:
             stream.write(table)
     return 0
+
+
+def simulated_as(variant: str, pass_summary: dict) -> str:
+    """The algorithm whose prediction a measured variant is compared with: its own, but
+    the default's for a second default ("default_again") and for a TicTac variant whose
+    pass declined to order (the gain estimate stepped aside: no ordering edge was added,
+    so TensorFlow's default order ran)."""
+    if variant == "default_again":
+        return "default"
+    if variant in ("tic", "tac") and (pass_summary.get("declined")
+                                      or str(pass_summary.get("ordering_edges", "")) == "0"):
+        return "default"
+    return variant
 
 
 def block_steps(times: list[float], blocks: list[list[float]] | None, dilation: float) -> str:

@@ -21,6 +21,22 @@ which case applies, by the rule TicTac's gain estimate uses:
   shorter than the busier direction's bytes of all workers over the bandwidth, and longer
   where one worker cannot keep both directions busy.
 
+Layouts (``Scenario.layout``): *dedicated*, every PS task and every worker on a host of its
+own, as above; *colocated*, PS task i on worker i's host behind that host's one link (the
+testbed's ``--layout colocated``). There the simulated worker reaches its own host's PS
+task off the link (those transfers cost a message's latency and no bandwidth); every
+other PS task's link carries the pulls of ``workers - 1`` workers (its own host's worker
+reads it locally), and each host's link carries its worker's traffic and its PS task's
+at once: leaving it, the shard's pulls by the other workers and the worker's pushes to
+the other shards; entering it, the worker's pulls from the other shards and the other
+workers' pushes to its shard. In lock step the pulls and the pushes take turns (all
+workers pull, then all push), so each phase loads a direction with one kind only: each
+other PS task's link direction gives the simulated worker ``bandwidth / (workers - 1)``
+and its own link is its own. Drifted, the others' average load of both kinds is taken
+off every direction (the simulated worker's own link loses its shard's pulls by the
+others and their pushes to it), and no step is shorter than the busiest direction's
+bytes of both kinds of all workers over the bandwidth.
+
 Compute times come from a profile (``tfoverlap.profile``) by node name. Ops it lacks cost
 nothing: in a profiled run most of them did not exist under their names (TensorFlow's
 optimizers removed Identity and NoOp nodes, folded constants, and fused ops such as a
@@ -52,8 +68,8 @@ from tfoverlap.graph.model import (RESOURCE_HANDLE_OPS, GraphModel, edge_bytes, 
 from tfoverlap.options import parse_options
 from tfoverlap.planning.tictac import plan_transfer_order
 from tfoverlap.sim.engine import COMPUTE, TRANSFER, Problem, lower_bound, serial_sum, simulate
-from tfoverlap.sim.scenario import (ALONE, DRIFTED, LOCK_STEP, Prediction, Scenario,
-                                    SimulationError)
+from tfoverlap.sim.scenario import (ALONE, COLOCATED, DRIFTED, LOCK_STEP, Prediction,
+                                    Scenario, SimulationError)
 
 __all__ = ["PS_ALGORITHMS", "predict_ps", "spread_variables"]
 
@@ -116,19 +132,26 @@ class _Tasks:
     resource: list = dataclasses.field(default_factory=list)
     work: list = dataclasses.field(default_factory=list)
     successors: list = dataclasses.field(default_factory=list)
+    local: list = dataclasses.field(default_factory=list)   # a transfer off the link
 
-    def add(self, kind: int, resource: int, work: float) -> int:
+    def add(self, kind: int, resource: int, work: float, local: bool = False) -> int:
         self.kind.append(kind)
         self.resource.append(resource)
         self.work.append(float(work))
         self.successors.append([])
+        self.local.append(local)
         return len(self.kind) - 1
 
 
 class _PsGraph:
     """The simulated worker's part of a PS graph as tasks, with its transfers marked, and
     the bytes it pulls from (``pull_bytes[k]``) and pushes to (``push_bytes[k]``) each PS
-    task k per step. Hosts 0..num_ps-1 are the PS tasks, host num_ps the worker."""
+    task k per step. Hosts 0..num_ps-1 are the PS tasks, host num_ps the worker.
+
+    Colocated, PS task ``own`` shares the worker's host: the transfers between them are
+    *local* tasks, a message's latency on device num_ps + 1 (as many threads as they are
+    many) and no link; their bytes still count in ``pull_bytes[own]`` and
+    ``push_bytes[own]``, which the other workers move over this host's link."""
 
     def __init__(self, graph_def, scenario: Scenario, profile: Profile | None):
         self.model = model = GraphModel.from_graph_def(graph_def)
@@ -142,6 +165,9 @@ class _PsGraph:
         self.worker_device = workers[0] if workers else ""
         self.num_ps = len(ps_tasks)
         worker_host = self.num_ps
+        self.own = -1
+        if scenario.layout == COLOCATED:
+            self.own = self._own_task(scenario)
         host = []
         for device in devices:
             if device and is_ps(device):
@@ -178,9 +204,6 @@ class _PsGraph:
                 key = (producer, host[consumer] if producer in data else -1 - consumer)
                 if key not in transfer_of:
                     link = (host[producer], host[consumer])
-                    if link not in channel_index:
-                        channel_index[link] = len(self.channels)
-                        self.channels.append(link)
                     size = 0.0
                     if producer in data:
                         size = self._bytes(graph_def, producer, consumer, transfer_bytes)
@@ -188,7 +211,13 @@ class _PsGraph:
                         self.pull_bytes[link[0]] += size
                     elif link[0] == worker_host:
                         self.push_bytes[link[1]] += size
-                    transfer = tasks.add(TRANSFER, channel_index[link], size)
+                    if self.own >= 0 and set(link) == {self.own, worker_host}:
+                        transfer = tasks.add(COMPUTE, worker_host + 1, 0.0, local=True)
+                    else:
+                        if link not in channel_index:
+                            channel_index[link] = len(self.channels)
+                            self.channels.append(link)
+                        transfer = tasks.add(TRANSFER, channel_index[link], size)
                     tasks.successors[node_task[producer]].append(transfer)
                     transfer_of[key] = transfer
                     if producer in data and host[consumer] == worker_host:
@@ -204,6 +233,21 @@ class _PsGraph:
                 raise SimulationError(
                     f"the profile does not match this graph: only {known} of its {len(names)} "
                     f"transfers (e.g. {names[0]!r}) are in it; profile this model again")
+
+    def _own_task(self, scenario: Scenario) -> int:
+        """The index of the PS task on the simulated worker's host: the one whose task
+        number is the worker's."""
+        if self.num_ps > scenario.workers:
+            raise SimulationError(
+                f"the colocated layout puts PS task i on worker i's host: the graph's "
+                f"{self.num_ps} PS tasks need as many workers, got {scenario.workers}")
+        number = task_of(self.worker_device).rpartition(":")[2]
+        own = [k for k, task in enumerate(self.ps_tasks) if task.rpartition(":")[2] == number]
+        if len(own) != 1:
+            raise SimulationError(
+                f"colocated layout: no single PS task shares the host of worker "
+                f"{self.worker_device or '(none)'} (PS tasks {', '.join(self.ps_tasks)})")
+        return own[0]
 
     def _bytes(self, graph_def, producer: int, consumer: int, profiled: dict) -> float:
         model = self.model
@@ -223,8 +267,13 @@ class _Links:
 
 def _lock_step_links(graph: _PsGraph, scenario: Scenario) -> _Links:
     """Every worker moves data when the simulated one does, in the same direction: each
-    PS link direction gives each worker 1/workers of it."""
-    share = np.full(graph.num_ps, scenario.bandwidth / scenario.workers)
+    PS link direction gives each worker that uses it an equal share (all workers use it,
+    or, colocated, all but the one on the PS task's host, and the simulated worker's own
+    link carries only its own transfers while the pulls and the pushes take turns)."""
+    sharing = scenario.workers
+    if scenario.layout == COLOCATED:
+        sharing = max(1, scenario.workers - 1)
+    share = np.full(graph.num_ps, scenario.bandwidth / sharing)
     return _with_worker_link(share, share, scenario)
 
 
@@ -233,8 +282,37 @@ def _drifted_links(graph: _PsGraph, scenario: Scenario, step: float) -> _Links:
     direction (``step`` at least the busiest direction's bytes of all workers over the
     bandwidth, so every worker keeps at least 1/workers of it)."""
     others = scenario.workers - 1
-    return _with_worker_link(scenario.bandwidth - others * graph.pull_bytes / step,
-                             scenario.bandwidth - others * graph.push_bytes / step, scenario)
+    bandwidth = scenario.bandwidth
+    if scenario.layout != COLOCATED:
+        return _with_worker_link(bandwidth - others * graph.pull_bytes / step,
+                                 bandwidth - others * graph.push_bytes / step, scenario)
+    leaving, entering = _colocated_bytes(graph, scenario.workers - 2)
+    own = graph.own
+    # A direction the simulated worker does not use may be left with nothing: the engine
+    # needs a positive rate all the same.
+    floor = bandwidth * 1e-3
+    ps_egress = np.maximum(bandwidth - leaving / step, floor)
+    ps_ingress = np.maximum(bandwidth - entering / step, floor)
+    worker = _Links(egress=np.array([max(bandwidth - others * graph.pull_bytes[own] / step,
+                                         floor)]),
+                    ingress=np.array([max(bandwidth - others * graph.push_bytes[own] / step,
+                                          floor)]))
+    return _Links(egress=np.concatenate([ps_egress, worker.egress]),
+                  ingress=np.concatenate([ps_ingress, worker.ingress]))
+
+
+def _colocated_bytes(graph: _PsGraph, remote_workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Colocated: the bytes per step that leave (``leaving[k]``) and enter
+    (``entering[k]``) PS task k's host: ``remote_workers`` workers' pulls of its shard and
+    pushes to it (all workers but its own host's: ``workers - 1``; of those, the ones the
+    simulated worker shares the link with: ``workers - 2``), and its own host's worker's
+    pushes to (leaving) and pulls from (entering) the other shards. Every worker moves
+    what the simulated one does."""
+    remote_workers = max(remote_workers, 0)
+    pulled, pushed = graph.pull_bytes.sum(), graph.push_bytes.sum()
+    leaving = remote_workers * graph.pull_bytes + (pushed - graph.push_bytes)
+    entering = remote_workers * graph.push_bytes + (pulled - graph.pull_bytes)
+    return leaving, entering
 
 
 def _with_worker_link(ps_egress: np.ndarray, ps_ingress: np.ndarray,
@@ -252,11 +330,13 @@ def _problem(graph: _PsGraph, scenario: Scenario, priority, links: _Links, extra
         successors[before].append(after)
     kind = np.array(tasks.kind, dtype=np.int8)
     work = np.array(tasks.work, dtype=float)
+    local = np.array(tasks.local, dtype=bool)
     work[kind == COMPUTE] *= compute_scale
     work[kind == TRANSFER] *= transfer_scale
+    work[local] = scenario.latency * transfer_scale
     return Problem(kind=kind, resource=np.array(tasks.resource), work=work,
                    successors=successors, priority=np.asarray(priority, float),
-                   threads=[2] * graph.num_ps + [scenario.threads],
+                   threads=[2] * graph.num_ps + [scenario.threads, max(1, int(local.sum()))],
                    channels=graph.channels, egress=links.egress.copy(),
                    ingress=links.ingress.copy(), latency=scenario.latency * transfer_scale,
                    chunk_bytes=scenario.chunk_bytes)
@@ -291,16 +371,26 @@ def _gate_edges(graph: _PsGraph, graph_def, scenario: Scenario, algorithm: str,
 def _contention(graph: _PsGraph, scenario: Scenario, compute_seconds: float) -> StepPrediction:
     """The contention model's view of this worker's step: its bytes per PS task and
     direction, and its compute."""
+    own = graph.ps_tasks[graph.own] if graph.own >= 0 else None
     return predict_steps_for_compute(dict(zip(graph.ps_tasks, graph.pull_bytes)),
                                      dict(zip(graph.ps_tasks, graph.push_bytes)),
-                                     scenario.workers, scenario.bandwidth, compute_seconds)
+                                     scenario.workers, scenario.bandwidth, compute_seconds,
+                                     own_task=own)
 
 
 def _shortest_step(graph: _PsGraph, scenario: Scenario) -> float:
     """The busiest PS link direction's bytes of all workers over the bandwidth: however
-    the workers' phases line up, no step is shorter."""
-    return scenario.workers * max(graph.pull_bytes.max(), graph.push_bytes.max()) / (
-        scenario.bandwidth)
+    the workers' phases line up, no step is shorter. Colocated, every host's link
+    directions carry a worker's and a PS task's bytes (a host without a PS task, only its
+    worker's)."""
+    if scenario.layout != COLOCATED:
+        return scenario.workers * max(graph.pull_bytes.max(), graph.push_bytes.max()) / (
+            scenario.bandwidth)
+    leaving, entering = _colocated_bytes(graph, scenario.workers - 1)
+    busiest = max(leaving.max(), entering.max())
+    if scenario.workers > graph.num_ps:
+        busiest = max(busiest, graph.pull_bytes.sum(), graph.push_bytes.sum())
+    return busiest / scenario.bandwidth
 
 
 def _drifted_step(graph: _PsGraph, scenario: Scenario, iteration: Callable[[_Links], float],
@@ -309,8 +399,9 @@ def _drifted_step(graph: _PsGraph, scenario: Scenario, iteration: Callable[[_Lin
 
     ``iteration`` falls as ``step`` grows (the others leave more of each link), so the
     fixed point is bracketed by the busiest direction's bytes of all workers over the
-    bandwidth (no step is shorter) and the lock-step iteration (the drifted links leave
-    each worker at least its lock-step share); regula falsi with the Illinois rule finds it.
+    bandwidth (no step is shorter) and the lock-step iteration (dedicated, the drifted
+    links leave each worker at least its lock-step share; colocated, where they may not,
+    the upper end doubles until it brackets); regula falsi with the Illinois rule finds it.
     """
     shortest = _shortest_step(graph, scenario)
     if shortest <= 0:
@@ -322,6 +413,14 @@ def _drifted_step(graph: _PsGraph, scenario: Scenario, iteration: Callable[[_Lin
 
     low, (low_excess, low_links) = shortest, excess(shortest)
     high, (high_excess, high_links) = lock_step, excess(lock_step)
+    for _ in range(_FIXED_POINT_ROUNDS):
+        # Colocated, the drifted links may leave less than the lock-step share (each host
+        # direction carries both kinds at once): move the upper end until it brackets.
+        if low_excess <= 0 or high_excess <= 0:
+            break
+        low, low_excess, low_links = high, high_excess, high_links
+        high *= 2
+        high_excess, high_links = excess(high)
     if low_excess <= 0 or high_excess >= 0:    # no sign change: an end is the fixed point
         return (low, low_links) if low_excess <= 0 else (high, high_links)
     moved = ""

@@ -5,11 +5,17 @@ import dataclasses
 
 from tfoverlap.options import parse_options
 
-__all__ = ["Scenario", "Prediction", "SimulationError", "ALONE", "LOCK_STEP", "DRIFTED"]
+__all__ = ["Scenario", "Prediction", "SimulationError", "ALONE", "LOCK_STEP", "DRIFTED",
+           "DEDICATED", "COLOCATED", "LAYOUTS"]
 
 #: how the workers' phases line up in a PS simulation (see tfoverlap.sim.ps): one worker
 #: alone, every worker moving data in the same direction at once, or drifted apart.
 ALONE, LOCK_STEP, DRIFTED = "alone", "lock step", "drifted"
+
+#: where a PS cluster's tasks run (tfoverlap.testbed.cluster.LAYOUTS): every PS task and
+#: every worker on a host of its own, or PS task i on worker i's host, sharing its link.
+DEDICATED, COLOCATED = "dedicated", "colocated"
+LAYOUTS = (DEDICATED, COLOCATED)
 
 
 class SimulationError(ValueError):
@@ -28,6 +34,7 @@ class Scenario:
     ps_devices: str = "/job:ps"
     ps_tasks: int = 0              # > 0: spread the variables over this many PS tasks
     chunk_bytes: float = 16e6      # see simulator.Problem.chunk_bytes (fitted: docs)
+    layout: str = DEDICATED        # COLOCATED: PS task i runs on worker i's host (LAYOUTS)
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -46,6 +53,13 @@ class Scenario:
             raise SimulationError(str(error)) from None
         if self.ps_tasks < 0:
             raise SimulationError(f"ps tasks must be >= 1 (0: as placed), got {self.ps_tasks}")
+        if self.layout not in LAYOUTS:
+            raise SimulationError(f"unknown layout {self.layout!r}; choose from "
+                                  f"{', '.join(LAYOUTS)}")
+        if self.layout == COLOCATED and self.ps_tasks > self.workers:
+            raise SimulationError(f"the colocated layout puts PS task i on worker i's host: "
+                                  f"{self.ps_tasks} PS tasks need as many workers, got "
+                                  f"{self.workers}")
 
 
 @dataclasses.dataclass
