@@ -149,6 +149,24 @@ def test_simulate_and_sweep(capsys, files, tmp_path, chain):
     assert plot.stat().st_size > 5_000
 
 
+def test_simulate_the_colocated_layout(capsys, files):
+    """A PS task on every worker's host: the step is shorter than with the same PS tasks on
+    hosts of their own (each worker reaches its own shard off the link), and more PS tasks
+    than hosts are refused by name."""
+    def step(*extra):
+        code, out, err = run(capsys, "simulate", files["pb"], "--profile", files["profile"],
+                             "--workers", 4, "--ps", 4, "--algo", "default",
+                             "--bandwidth", "20Mbit", *extra)
+        assert code == 0, err
+        return float(out.splitlines()[2].split()[1])
+    assert step("--layout", "colocated") < step()
+    code, _, err = run(capsys, "simulate", files["pb"], "--workers", 2, "--ps", 4,
+                       "--layout", "colocated")
+    assert code != 0 and "4 PS tasks need as many workers" in err
+    code, _, err = run(capsys, "simulate", files["pb"], "--layout", "shared")
+    assert code != 0 and "unknown layout 'shared'" in err
+
+
 def test_trace_and_plot_a_traced_step(capsys, tmp_path):
     graph = tf.Graph()
     with graph.as_default():

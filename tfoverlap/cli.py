@@ -413,7 +413,8 @@ def _scenario(args, **overrides):
                   "latency": args.latency_us * 1e-6, "threads": args.threads,
                   "window": args.window, "credit": args.credit, "seeds": args.seeds,
                   "ps_devices": args.ps_devices,
-                  "ps_tasks": args.ps, "chunk_bytes": args.chunk_mb * 1e6}
+                  "ps_tasks": args.ps, "chunk_bytes": args.chunk_mb * 1e6,
+                  "layout": args.layout}
         values.update(overrides)
         scenario = Scenario(**values)
         scenario.validate()
@@ -548,6 +549,10 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--ps", type=int, default=0,
                           help="spread the variables over this many PS tasks, for the "
                                "simulation and the TicTac plan alike (default: as placed)")
+    simulate.add_argument("--layout", default="dedicated",
+                          help="dedicated: each PS task on a host of its own; colocated: PS "
+                               "task i on worker i's host, sharing its link (--ps at most "
+                               "--workers)")
     simulate.add_argument("--bandwidth", default="2.5Gbit", help="per link, e.g. 10Gbit")
     simulate.add_argument("--latency-us", type=float, default=100.0)
     simulate.add_argument("--threads", type=int, default=2, help="a worker's inter-op threads")
