@@ -182,13 +182,17 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
                                              + part["after_last_reduction"], abs=1e-9)
         assert part["requests"] >= 1 and 0 < part["ring"] <= part["step"]
         assert part["in_step_bound"] <= part["step"] * (1 + 1e-9)
-        # The clocks line up: every tensor of the model is reduced inside the figure's
-        # step, each after its gradient reached Horovod and before the step ended.
+        # The clocks line up: every tensor of the model (but a deferred one) is reduced
+        # inside the figure's step, after its gradient reached Horovod and before the
+        # step ended.
         figure = figures[variant]
         assert figure["compute"]
         reduced = {name for name, begin, length, _ in figure["transfers"]
                    if begin >= 0 and begin + length <= figure["seconds"] * 1e6 + 100}
-        assert len(reduced) == record["tensors"], variant
+        if variant == "horovod":
+            assert len(reduced) == record["tensors"], variant
+        else:   # deferred reductions may run past the step's end, under the next one
+            assert len(reduced) >= planned["allreduces"], variant
         assert reduced <= set(records)
 
 

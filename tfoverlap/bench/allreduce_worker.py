@@ -162,6 +162,7 @@ def _traced_steps(built: dict, args) -> dict:
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
+    import tfoverlap.horovod as tfo_hvd
     from tfoverlap.costs.trace import step_span, step_timeline
     from tfoverlap.planning.caramel import gradient_submissions
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
@@ -169,7 +170,7 @@ def _traced_steps(built: dict, args) -> dict:
     traced = {}
     hvd.start_timeline(args.trace_timeline)
     try:
-        for variant, (session, fetch, _) in built.items():
+        for variant, (session, fetch, model) in built.items():
             if variant in ("compute_only", "comm_only"):
                 continue
             steps = []
@@ -182,6 +183,9 @@ def _traced_steps(built: dict, args) -> dict:
                 compute = [entry for entry in step_timeline(metadata, origin=start)["compute"]
                            if entry[0] not in reducing]
                 steps.append({"span": [start, end], "ready": ready, "compute": compute})
+            flush = tfo_hvd.flush_op(model.graph)   # its last reductions: not the next's
+            if flush is not None:
+                session.run(flush)
             # The compute of the median step only (the figure's step): thousands of ops.
             lengths = sorted(steps, key=lambda step: step["span"][1] - step["span"][0])
             for step in lengths[:len(lengths) // 2] + lengths[len(lengths) // 2 + 1:]:
@@ -243,15 +247,23 @@ def main(argv=None) -> int:
     times = {variant: [] for variant in variants}
     cpu = {variant: [] for variant in variants}
     before = cpu_sample()
+    flushes = {variant: tfo_hvd.flush_op(model.graph)
+               for variant, (_, _, model) in built.items()}
     for round_number in range(args.rounds):
         shift = round_number % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             session, fetch, _ = built[variant]
+            # Steady state: one untimed step first, so that every timed step of a variant
+            # with deferred reductions waits for the step before it; after the block its
+            # last reductions finish untimed, not under the next variant's steps.
+            session.run(fetch)
             for _ in range(args.steps):
                 start, start_cpu = time.perf_counter(), time.process_time()
                 session.run(fetch)
                 times[variant].append(time.perf_counter() - start)
                 cpu[variant].append(time.process_time() - start_cpu)
+            if flushes[variant] is not None:
+                session.run(flushes[variant])
     host_busy = busy_fraction(before, cpu_sample())
     traced = _traced_steps(built, args) if args.trace_timeline else {}
     model = next(iter(built.values()))[2]
