@@ -381,3 +381,15 @@ def test_emulated_timelines_are_drawn_in_emulated_time_under_the_emulated_link(
     low, high = panels[-1].get_xlim()
     assert low <= 0 and 2187 / 4 <= high < 2187 / 4 * 1.1
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_csv_rows_may_carry_fields_the_first_row_lacks(tmp_path):
+    """A variant that deferred gradients says so in its row; the CSV keeps every field."""
+    import csv
+    from tfoverlap.bench.report import write_csv
+    path = tmp_path / "rows.csv"
+    write_csv([{"variant": "horovod", "median_s": 1.0},
+               {"variant": "caramel", "median_s": 0.9, "deferred_gradients": 152}], str(path))
+    with open(path) as stream:
+        rows = list(csv.DictReader(stream))
+    assert rows[0]["deferred_gradients"] == "" and rows[1]["deferred_gradients"] == "152"

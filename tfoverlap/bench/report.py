@@ -24,8 +24,9 @@ def progress(message: str) -> None:
 def write_csv(rows: list[dict], path: str) -> None:
     if not rows:
         raise ValueError("no benchmark rows to write")
+    fields = list(dict.fromkeys(key for row in rows for key in row))   # rows may differ
     with open(path, "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(stream, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
 
