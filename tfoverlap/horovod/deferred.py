@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import threading
 import weakref
 
@@ -179,7 +180,7 @@ def _between(source, sink) -> list:
 
 
 def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
-                  apply_in_step):
+                  apply_in_step, refusal_level: int = logging.WARNING):
     """Builds the step of ``optimizer`` (wrapped by Horovod) with the updates that
     ``chunks`` name deferred; returns its train op.
 
@@ -189,7 +190,8 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
     ``chunks`` lists pair indices, first chunk first. ``apply_in_step(pairs)`` is the
     optimizer's apply_gradients for the pairs kept in the step. Where a deferred pair's
     gradient is not its reduced gradient alone (changed or used after the reduction: a
-    global-norm clip, a summary), nothing is deferred, with a warning."""
+    global-norm clip, a summary), nothing is deferred, with one line at
+    ``refusal_level``."""
     import tensorflow as tf
     pairs = list(grads_and_vars)
     deferred = [i for chunk in chunks for i in chunk]
@@ -208,7 +210,7 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
     if not refused and len(deferred) == len(pairs):
         refused = "every update would be deferred (none would be left in the step)"
     if refused:
-        logger.warning("tfoverlap: cross_step: %s; nothing deferred", refused)
+        logger.log(refusal_level, "tfoverlap: cross_step: %s; nothing deferred", refused)
         return apply_in_step(pairs)
     graph = pairs[0][1].graph
     state = _graphs.setdefault(graph, _GraphState())

@@ -3,6 +3,7 @@ and applied in place, and cross-step overlap's decision (what to defer, the pred
 step, why nothing was) before the deferral is built (:mod:`tfoverlap.horovod.deferred`)."""
 from __future__ import annotations
 
+import logging
 import os
 
 from tfoverlap.horovod.measure import EMULATION_OPTIONS, warmup_profile
@@ -106,11 +107,12 @@ def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, va
     if chunks:
         train = defer_updates(optimizer, grads_and_vars, _aligned(grads, reduced_at),
                               _aligned(reduced, reduced_at), _aligned(allreduces, reduced_at),
-                              chunks, apply_in_step)
+                              chunks, apply_in_step,
+                              logging.WARNING if mode is True else logging.INFO)
         from tfoverlap.horovod.deferred import deferral_summary
         decision["deferred"] = deferral_summary(graph).get("deferred", 0)
         if not decision["deferred"]:
-            decision["reason"] = "outside the contract (see the warning)"
+            decision["reason"] = "outside the contract (see the log line before)"
     else:
         logger.info("tfoverlap: cross_step: nothing deferred: %s", decision.get("reason"))
         train = apply_in_step(grads_and_vars)
