@@ -216,10 +216,11 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
     state = _graphs.setdefault(graph, _GraphState())
     group_name = graph.unique_name("tfoverlap/deferred", mark_as_used=True)
     first_op = len(graph.get_operations())
-    kept = [pair for index, pair in enumerate(pairs) if index not in set(deferred)]
-    variables = [pairs[i][1] for i in range(len(pairs))]
+    deferred_set = frozenset(deferred)
+    kept = [pair for index, pair in enumerate(pairs) if index not in deferred_set]
+    variables = [variable for _, variable in pairs]
     with tf.compat.v1.init_scope():        # the slots, created as apply_gradients would
-        optimizer._create_slots([v for _, v in pairs])  # noqa: SLF001
+        optimizer._create_slots(variables)  # noqa: SLF001
     first_step_op = len(graph.get_operations())
     train = apply_in_step(kept)
     in_step_ops = graph.get_operations()[first_op:]
@@ -273,8 +274,9 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
         reduce = tf.group(*reduces, name="reduce")
         close = tf.group(*closes, name="close")
         train = tf.group(train, *[op for store in stores for op in store], name="train")
+    in_step = frozenset(in_step_ops)
     own = frozenset(op.name for op in graph.get_operations()[first_op:]
-                    if op not in set(in_step_ops))
+                    if op not in in_step)
     summary = {"deferred": len(deferred), "gradients": len(pairs),
                "chunks": [len(chunk) for chunk in chunks],
                "deferred_bytes": sum(variables[i].shape.num_elements()
