@@ -119,7 +119,9 @@ class StepBreakdown:
     @property
     def in_step_bound(self) -> float:
         """The step if the ring never idled once the first gradient was ready and the
-        compute kept its pace: what a perfect AllReduce schedule of this step could reach."""
+        compute kept its pace: what a perfect AllReduce schedule of this step could reach.
+        Only a step that reduces its own gradients is bound by it: the previous step's
+        deferred reductions count in ``ring`` too."""
         return max(self.until_last_gradient, self.first_gradient + self.ring) \
             + self.after_last_reduction
 
