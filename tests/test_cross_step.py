@@ -196,3 +196,68 @@ def test_a_cross_step_setting_other_than_true_false_or_auto_is_named(value):
     import tfoverlap.horovod as tfo_hvd
     with pytest.raises(ValueError, match='cross_step must be True, False or "auto"'):
         tfo_hvd.configure(cross_step=value)
+
+
+# Keras model.fit (tests/jobs/keras_cross_step.py): the pending state lives inside one call
+# of the train function (steps_per_execution=4) and is drained before it returns.
+KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_cross_step.py")
+KERAS_EXACT = ["sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
+               "schedule", "validation", "checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def keras_patterns(tmp_path_factory):
+    """Each rank's record of each Keras pattern and variant."""
+    checkpoints = tmp_path_factory.mktemp("keras_checkpoints")
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [sys.executable, KERAS_JOB], controller="gloo",
+                             timeout=600,
+                             env={"CROSS_STEP_CHECKPOINTS": str(checkpoints)})
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    return [json.loads(next(line for line in output.splitlines() if line.startswith("{")))
+            for output in result.outputs]
+
+
+@pytest.mark.parametrize("pattern", KERAS_EXACT)
+def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(keras_patterns,
+                                                                           pattern):
+    """Something was deferred, and what user code sees is horovod.tensorflow.keras's, bit
+    for bit: every loss a callback got, the weights a callback read after each call, the
+    history (with validation losses), the checkpoint written after the first epoch and
+    restored into a new model, the final weights and the optimizer's variables:
+    - sgd, momentum, adam, adamw: Keras' optimizers (Adam's step count, AdamW's decay);
+    - legacy_momentum, legacy_adam: tf.keras.optimizers.legacy's;
+    - schedule: an exponentially decayed rate (each update at its own step's rate);
+    - validation: validation_data, and rank 0 alone evaluating after each epoch (no
+      collective: exact values, no hang);
+    - checkpoint: a tf.train.Checkpoint of model and optimizer after epoch 1, restored in
+      a new model that trains epoch 2."""
+    for rank, records in enumerate(keras_patterns):
+        plain, deferred = records[pattern]["horovod"], records[pattern]["tfoverlap"]
+        assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)
+        decision = deferred["decision"]
+        assert decision["deferred"] >= 1 and decision["mode"] == "on", decision
+        assert decision["drains"] >= 1 and decision["drain_ms"] > 0, decision
+        for key in ("losses", "seen", "history", "checkpoint", "weights", "optimizer",
+                    "rank0_evaluate"):
+            assert deferred.get(key) == plain.get(key), (rank, key)
+    if pattern == "validation":
+        assert len(keras_patterns[0]["validation"]["tfoverlap"]["rank0_evaluate"]) == 2
+    if pattern == "checkpoint":
+        assert keras_patterns[0]["checkpoint"]["tfoverlap"]["checkpoint"]
+
+
+@pytest.mark.parametrize("pattern, reason", [
+    ("one_step_per_call", "steps_per_execution"), ("clipnorm", "clipping")])
+def test_keras_fit_outside_the_contract_defers_nothing_says_why_and_trains_exactly(
+        keras_patterns, pattern, reason):
+    """One step per call (nothing to overlap within a call) and a global-norm clip (it
+    needs every reduced gradient of the step): nothing deferred, the decision says why,
+    and training is plain Horovod's."""
+    for records in keras_patterns:
+        plain, deferred = records[pattern]["horovod"], records[pattern]["tfoverlap"]
+        assert "error" not in deferred, deferred
+        assert deferred["decision"]["deferred"] == 0
+        assert reason in deferred["decision"]["reason"], deferred["decision"]
+        assert deferred["losses"] == plain["losses"]
+        assert deferred["weights"] == plain["weights"]

@@ -10,12 +10,19 @@ through::
     hvd.init()
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1)), ...)
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+Cross-step overlap (:mod:`tfoverlap.horovod.keras_deferred`, on by default where Caramel's
+plan predicts a gain) needs ``compile(steps_per_execution=N)`` with N > 1: the reductions
+of a step's last gradients then run under the next step's forward pass within each call,
+and the call ends with the weights exactly as plain Horovod's.
 """
 from __future__ import annotations
 
+from tfoverlap.horovod import keras_deferred
+from tfoverlap.horovod.settings import wrapper_option
 from tfoverlap.horovod.wrappers import enable_for_functions, keeps_horovods_reduction
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "cross_step_decision"]
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -31,15 +38,30 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     compression = hvd.Compression.none if compression is None else compression
     op = hvd.Average if op is None else op
     process_set = hvd.global_process_set if process_set is None else process_set
-    if not keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op):
+    keeps_horovods = keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op)
+    if not keeps_horovods:
         enable_for_functions()
-    return hvd_keras.DistributedOptimizer(
+    wrapped = hvd_keras.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor, op=op,
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
         groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if not keeps_horovods and wrapper_option("cross_step", "auto") and process_set.size() > 1:
+        keras_deferred.register(wrapped, dict(
+            device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+            sparse_as_dense=sparse_as_dense, op=op,
+            gradient_predivide_factor=gradient_predivide_factor, process_set=process_set))
+        keras_deferred.install()
+    return wrapped
+
+
+def cross_step_decision(model) -> dict | None:
+    """What cross-step overlap decided for ``model.fit``'s train function: mode, how many
+    gradients were deferred (and their MB), the predicted and in-step step in ms, and the
+    reason where nothing was deferred; None before the train function's first trace."""
+    return keras_deferred.decision_for(model)
 
 
 def __getattr__(name: str):

@@ -10,7 +10,7 @@ from tfoverlap.horovod.measure import EMULATION_OPTIONS, warmup_profile
 from tfoverlap.horovod.settings import caramel_options, wrapper_option
 from tfoverlap.log import logger
 
-__all__ = ["schedule_in_place", "defer_and_schedule"]
+__all__ = ["schedule_in_place", "defer_and_schedule", "plan_deferral"]
 
 
 def schedule_in_place(graph, gradients=(), cross_step: dict | None = None) -> None:
@@ -58,52 +58,14 @@ def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, va
     rest of the step; returns the train op. ``mode`` "auto" defers where the predicted
     step gains at least min_gain over the in-step plan's; True wherever a reduction fits
     under the forward pass."""
-    from tfoverlap.costs.network import ring_allreduce_seconds
     from tfoverlap.horovod.deferred import defer_updates
-    from tfoverlap.options import link_bandwidth, parse_options
-    from tfoverlap.planning.caramel import (deferred_chunks, deferred_step,
-                                            horovod_cycle_seconds, plan_for_graph,
-                                            request_latency)
     graph = grads_and_vars[0][1].graph
     # Pair i of grads_and_vars is entry reduced_at[i] of what the reduction returned.
     reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
                        None) for pair in grads_and_vars]
-    options = parse_options(caramel_options())
-    decision = {"mode": "auto" if mode == "auto" else "on", "deferred": 0}
-    chunks = []
-    try:
-        plan, inputs = plan_for_graph(graph.as_graph_def(), options)
-        latency = request_latency(options.latency, inputs.ranks,
-                                  horovod_cycle_seconds(options.cycle_ms))
-        rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
-                                              0.0)) for size in plan.sizes]
-        request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
-        pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)
-                   if j is not None and allreduces[j] is not None}
-        # The plan may hold other optimizers' reductions: this one defers its own.
-        positions = [[p for p in chunk if plan.model.names[plan.nodes[p]] in pair_of]
-                     for chunk in deferred_chunks(plan, rings, request_seconds=request)]
-        positions = [chunk for chunk in positions if chunk]
-        in_step = min(plan.predicted_step, plan.baseline_step)
-        predicted = deferred_step(plan, rings, positions, request)
-        gain = 1.0 - predicted / in_step if in_step > 0 else 0.0
-        decision.update(in_step_ms=round(in_step * 1e3, 3),
-                        predicted_step_ms=round(predicted * 1e3, 3),
-                        predicted_gain=round(gain, 4))
-        chunks = [[pair_of[plan.model.names[plan.nodes[p]]] for p in chunk]
-                  for chunk in positions]
-        if not chunks:
-            decision["reason"] = ("no reduction of the plan's tail fits under the forward "
-                                  "pass")
-        elif mode == "auto" and gain < options.min_gain:
-            decision["reason"] = (f"deferring would take the step from {in_step * 1e3:.3g} "
-                                  f"to {predicted * 1e3:.3g} ms ({gain:+.1%}), below "
-                                  f"min_gain {options.min_gain:.1%}")
-            chunks = []
-    except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
-        logger.warning("tfoverlap: cross_step: no plan to defer with (%s: %s); nothing "
-                       "deferred", type(error).__name__, error)
-        decision["reason"] = f"no plan ({type(error).__name__}: {error})"
+    pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)
+               if j is not None and allreduces[j] is not None}
+    chunks, decision = plan_deferral(graph.as_graph_def(), pair_of, mode)
     if chunks:
         train = defer_updates(optimizer, grads_and_vars, _aligned(grads, reduced_at),
                               _aligned(reduced, reduced_at), _aligned(allreduces, reduced_at),
@@ -118,6 +80,54 @@ def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, va
         train = apply_in_step(grads_and_vars)
     schedule_in_place(graph, gradients, cross_step=decision)
     return train
+
+
+def plan_deferral(graph_def, own: dict, mode) -> tuple[list[list[int]], dict]:
+    """Which of an optimizer's reductions to defer to the next step, in chunks, and the
+    decision as the Caramel report gives it. ``own`` maps the names of this optimizer's
+    HorovodAllreduce nodes in ``graph_def`` (which may hold other optimizers' too) to the
+    indices the chunks are made of. ``mode`` "auto" defers where the predicted step gains
+    at least min_gain over the in-step plan's; True wherever a reduction fits under the
+    forward pass. Never raises: without a plan nothing is deferred, with a warning."""
+    from tfoverlap.costs.network import ring_allreduce_seconds
+    from tfoverlap.options import link_bandwidth, parse_options
+    from tfoverlap.planning.caramel import (deferred_chunks, deferred_step,
+                                            horovod_cycle_seconds, plan_for_graph,
+                                            request_latency)
+    decision = {"mode": "auto" if mode == "auto" else "on", "deferred": 0}
+    chunks = []
+    try:
+        options = parse_options(caramel_options())
+        plan, inputs = plan_for_graph(graph_def, options)
+        latency = request_latency(options.latency, inputs.ranks,
+                                  horovod_cycle_seconds(options.cycle_ms))
+        rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
+                                              0.0)) for size in plan.sizes]
+        request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
+        positions = [[p for p in chunk if plan.model.names[plan.nodes[p]] in own]
+                     for chunk in deferred_chunks(plan, rings, request_seconds=request)]
+        positions = [chunk for chunk in positions if chunk]
+        in_step = min(plan.predicted_step, plan.baseline_step)
+        predicted = deferred_step(plan, rings, positions, request)
+        gain = 1.0 - predicted / in_step if in_step > 0 else 0.0
+        decision.update(in_step_ms=round(in_step * 1e3, 3),
+                        predicted_step_ms=round(predicted * 1e3, 3),
+                        predicted_gain=round(gain, 4))
+        chunks = [[own[plan.model.names[plan.nodes[p]]] for p in chunk]
+                  for chunk in positions]
+        if not chunks:
+            decision["reason"] = ("no reduction of the plan's tail fits under the forward "
+                                  "pass")
+        elif mode == "auto" and gain < options.min_gain:
+            decision["reason"] = (f"deferring would take the step from {in_step * 1e3:.3g} "
+                                  f"to {predicted * 1e3:.3g} ms ({gain:+.1%}), below "
+                                  f"min_gain {options.min_gain:.1%}")
+            chunks = []
+    except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
+        logger.warning("tfoverlap: cross_step: no plan to defer with (%s: %s); nothing "
+                       "deferred", type(error).__name__, error)
+        decision["reason"] = f"no plan ({type(error).__name__}: {error})"
+    return chunks, decision
 
 
 def _aligned(values, indices):

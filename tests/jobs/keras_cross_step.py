@@ -1,0 +1,132 @@
+"""A Horovod job for tests/test_cross_step.py: Keras ``model.fit`` patterns, each trained
+with horovod.tensorflow.keras and with tfoverlap.horovod.keras (cross-step overlap) from
+the same initial weights, on a chain of dense layers whose first layers' reductions are
+deferred.
+
+argv: the patterns to run (default: all of :data:`PATTERNS`). Prints one JSON line per
+rank: per pattern and variant, every loss the callbacks saw, the weights a callback read
+after each call, the validation losses, the checkpoint written after the first epoch
+(every tensor), the final weights and optimizer variables, the decision and any error.
+"""
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow.keras as hvd_keras  # noqa: E402
+
+import tfoverlap.horovod as tfo_hvd  # noqa: E402
+import tfoverlap.horovod.keras as tfo_keras  # noqa: E402
+
+PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
+            "schedule", "validation", "checkpoint", "one_step_per_call", "clipnorm")
+# A slow link and slow compute: the plan's ring has a tail to defer.
+OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
+WIDTHS = [64, 64, 64, 64, 64, 10]
+BATCH, STEPS = 32, 10
+CHECKPOINTS = os.environ.get("CROSS_STEP_CHECKPOINTS") or tempfile.mkdtemp()
+
+hvd_keras.init()
+RANK = hvd_keras.rank()
+data = np.random.default_rng(100 + RANK)
+INPUTS = data.normal(size=(STEPS * BATCH, 64)).astype(np.float32)
+LABELS = data.integers(0, 10, size=(STEPS * BATCH,))
+VALIDATION = (np.random.default_rng(999).normal(size=(BATCH, 64)).astype(np.float32),
+              np.random.default_rng(998).integers(0, 10, size=(BATCH,)))
+
+
+def optimizer_for(pattern):
+    keras = tf.keras.optimizers
+    if pattern == "sgd":
+        return keras.SGD(0.05)
+    if pattern == "adam":
+        return keras.Adam(0.01)
+    if pattern == "adamw":
+        return keras.AdamW(0.01, weight_decay=0.05)
+    if pattern == "legacy_momentum":
+        return keras.legacy.SGD(0.05, momentum=0.9)
+    if pattern == "legacy_adam":
+        return keras.legacy.Adam(0.01)
+    if pattern == "schedule":
+        return keras.SGD(keras.schedules.ExponentialDecay(0.1, 1, 0.7), momentum=0.9)
+    if pattern == "clipnorm":
+        return keras.SGD(0.05, momentum=0.9, global_clipnorm=1.0)
+    return keras.SGD(0.05, momentum=0.9)
+
+
+def model_for(pattern):
+    tf.keras.utils.set_random_seed(7)
+    layers = [tf.keras.layers.Dense(width, activation="relu" if i < len(WIDTHS) - 1 else None,
+                                    name=f"dense{i}") for i, width in enumerate(WIDTHS)]
+    model = tf.keras.Sequential([tf.keras.Input((64,))] + layers)
+    return model
+
+
+def train(pattern, variant):
+    distributed = tfo_keras if variant == "tfoverlap" else hvd_keras
+    model = model_for(pattern)
+    model.compile(optimizer=distributed.DistributedOptimizer(optimizer_for(pattern)),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=1 if pattern == "one_step_per_call" else 4)
+    record = {"losses": [], "seen": []}
+
+    class Look(tf.keras.callbacks.Callback):
+        """What user code sees between calls: the loss and the weights."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            record["losses"].append(float(logs["loss"]))
+            record["seen"].append(float(sum(np.sum(w, dtype=np.float64)
+                                            for w in self.model.get_weights())))
+
+        def on_epoch_end(self, epoch, logs=None):
+            if pattern == "validation" and RANK == 0:
+                # An evaluation on rank 0 alone: no collective may start.
+                record.setdefault("rank0_evaluate", []).append(
+                    float(self.model.evaluate(*VALIDATION, verbose=0)))
+
+    callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), Look()]
+    fit = dict(batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+    if pattern == "validation":
+        fit["validation_data"] = VALIDATION
+    if pattern == "checkpoint":
+        # Epoch 1, a checkpoint on rank 0, a fresh model restored from it and broadcast,
+        # then epoch 2: what a restarted job does.
+        path = os.path.join(CHECKPOINTS, f"{variant}-{RANK}")
+        model.fit(INPUTS, LABELS, epochs=1, **fit)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        written = checkpoint.write(path)
+        reader = tf.train.load_checkpoint(written)
+        record["checkpoint"] = {name: reader.get_tensor(name).ravel()[:6].tolist()
+                                for name in sorted(reader.get_variable_to_shape_map())
+                                if not name.startswith("_CHECKPOINTABLE")}
+        model = model_for(pattern)
+        model.compile(optimizer=distributed.DistributedOptimizer(optimizer_for(pattern)),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=4)
+        model.optimizer.build(model.trainable_variables)
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(written)
+        history = model.fit(INPUTS, LABELS, epochs=1, **fit)
+    else:
+        history = model.fit(INPUTS, LABELS, epochs=2, **fit)
+    record["history"] = {key: [float(v) for v in values]
+                         for key, values in history.history.items()}
+    record["weights"] = [w.ravel().tolist() for w in model.get_weights()]
+    record["optimizer"] = [np.asarray(v).ravel()[:16].tolist()
+                           for v in model.optimizer.variables]
+    record["decision"] = tfo_keras.cross_step_decision(model) if variant == "tfoverlap" else None
+    return record
+
+
+tfo_hvd.configure(cross_step=True, **OPTIONS)
+patterns = sys.argv[1:] or PATTERNS
+result = {"rank": RANK}
+for pattern in patterns:
+    result[pattern] = {}
+    for variant in ("horovod", "tfoverlap"):
+        try:
+            result[pattern][variant] = train(pattern, variant)
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            result[pattern][variant] = {"error": f"{type(error).__name__}: {error}"}
+print(json.dumps(result), flush=True)

@@ -1,0 +1,348 @@
+"""Cross-step overlap in Keras ``model.fit`` (``tfoverlap.horovod.keras``).
+
+Keras owns the loop, so no update may stay pending where user code runs: callbacks,
+evaluation, checkpoints and ``get_weights`` come between calls of the train function. Here
+the pending state lives inside one call. With ``compile(steps_per_execution=N)`` a call
+runs N steps in one ``tf.function``:
+
+- Each step keeps the unreduced gradients that become ready last (the first layers') in
+  buffers instead of reducing them, and marks them pending.
+- The next step starts, before its forward pass, by reducing the pending buffers, chunk
+  by chunk, first layers first, and applying them with the optimizer's own
+  ``apply_gradients`` at the step count they came from (the iteration counter is set one
+  back around it, so a schedule's rate and Adam's bias correction are the earlier step's).
+  The forward pass reads each variable after its chunk's update (TensorFlow orders the ops
+  of a variable as they were written), so the reductions of the later chunks run under
+  the forward pass of the layers before them.
+- After the call, a small ``tf.function`` (the drain) applies what the last step left
+  pending, on every rank alike. So between calls nothing is pending: every value user
+  code sees is plain Horovod's, and each gradient is applied once.
+
+What to defer is planned by Caramel from a trace of the model's ``train_step`` (the same
+plan and ``cross_step`` modes as graph mode). Outside what is known to be exact (a
+gradient changed between the reduction and the update, loss scaling, moving averages,
+XLA, eager runs, one step per call), nothing is deferred and one line says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+import weakref
+
+from tfoverlap.log import logger
+
+__all__ = ["install", "decision_for", "deferral_refused"]
+
+_deferrals = weakref.WeakKeyDictionary()    # Keras model -> _Deferral
+_optimizers = weakref.WeakKeyDictionary()   # optimizer -> its Horovod reduction arguments
+_active: list = []                          # the _Deferral of the step being traced
+_fit_batch = [None]                         # the batch size of the last Keras data handler
+_installed = False
+
+
+@dataclasses.dataclass
+class _Deferral:
+    """One model's deferred gradients: which, their buffers, and the decision."""
+    decision: dict
+    chunks: list = dataclasses.field(default_factory=list)    # indices into variables
+    variables: list = dataclasses.field(default_factory=list)  # the trainable variables
+    buffers: dict = dataclasses.field(default_factory=dict)    # index -> buffer variable
+    pending: object = None                                     # tf.Variable(bool)
+    planning: dict | None = None    # while tracing the plan: allreduce name -> index
+    drain: object = None
+    drain_seconds: list = dataclasses.field(default_factory=list)   # per call, measured
+
+    @property
+    def deferred(self) -> set:
+        return {index for chunk in self.chunks for index in chunk}
+
+
+def decision_for(model) -> dict | None:
+    """The cross-step decision for ``model``'s train function (as the Caramel report's
+    ``cross_step`` entry: mode, deferred, predicted and in-step step, reason; and the
+    drains made and the median time of one, after the first), or None before its first
+    trace."""
+    deferral = _deferrals.get(model)
+    if deferral is None:
+        return None
+    decision = dict(deferral.decision)
+    if deferral.drain_seconds:      # the first call's drain includes its trace
+        later = sorted(deferral.drain_seconds[1:] or deferral.drain_seconds)
+        decision.update(drains=len(deferral.drain_seconds),
+                        drain_ms=round(later[len(later) // 2] * 1e3, 3))
+    return decision
+
+
+def deferral_refused(model, optimizer) -> str:
+    """Why ``model.fit`` with ``optimizer`` cannot defer ("" if it can)."""
+    import tensorflow as tf
+    new_api = tf.keras.optimizers.Optimizer
+    legacy_api = tf.keras.optimizers.legacy.Optimizer
+    if isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer) or not isinstance(
+            optimizer, (new_api, legacy_api)):
+        return f"{type(optimizer).__name__}: only Keras' own optimizers are deferred"
+    if getattr(optimizer, "_local_vars", None):
+        return "local variables (register_local_var) are reduced apart"
+    if isinstance(optimizer, new_api) and (
+            optimizer.clipnorm or optimizer.clipvalue or optimizer.global_clipnorm
+            or optimizer.use_ema):
+        return ("gradient clipping or moving averages of the weights (they look at every "
+                "gradient or weight of the step at once)")
+    if isinstance(optimizer, legacy_api) and (
+            getattr(optimizer, "clipnorm", None) or getattr(optimizer, "clipvalue", None)
+            or getattr(optimizer, "global_clipnorm", None)):
+        return "gradient clipping (it looks at every gradient of the step at once)"
+    if model.run_eagerly or model.jit_compile:
+        return "run_eagerly or jit_compile (the steps of a call are not one graph)"
+    if getattr(model, "_cluster_coordinator", None):
+        return "a ParameterServerStrategy coordinator"
+    steps = model._steps_per_execution  # noqa: SLF001 - what compile(steps_per_execution=) set
+    with tf.init_scope():
+        steps = None if steps is None else int(steps.numpy())
+    if model.autotune_steps_per_execution or steps is None or steps < 2:
+        return ("one step per call of the train function: a step's gradients would have "
+                "to be reduced before the call returns; compile(steps_per_execution=N) "
+                "with N > 1 overlaps them with the next step of the call")
+    return ""
+
+
+def register(optimizer, reduction: dict) -> None:
+    """Marks ``optimizer`` (Horovod's Keras wrapper) as deferring, with the arguments of
+    its reduction (device_dense, device_sparse, compression, sparse_as_dense, op,
+    gradient_predivide_factor, process_set), and makes its ``minimize`` defer in the
+    steps that :func:`install`'s train function traces."""
+    import types
+    _optimizers[optimizer] = reduction
+    plain_minimize = optimizer.minimize
+
+    def minimize(self, loss, var_list, tape=None, **kwargs):
+        deferral = _active[-1] if _active else None
+        if deferral is None or kwargs:
+            return plain_minimize(loss, var_list, tape=tape, **kwargs)
+        return _minimize(self, deferral, loss, var_list, tape)
+
+    optimizer.minimize = types.MethodType(minimize, optimizer)
+
+
+def _reduce(optimizer, gradients, deferred: bool):
+    """Horovod's reduction of ``gradients`` as plain HorovodAllreduce ops (those Horovod's
+    cond holds), marked as deferred ones where ``deferred``."""
+    from tfoverlap.horovod.deferred import _mark_deferred, reducing_allreduce
+    from tfoverlap.horovod.wrappers import _reduce_without_cond
+    reduced = _reduce_without_cond(gradients, **_optimizers[optimizer])
+    if deferred:
+        for tensor in reduced:
+            _mark_deferred(reducing_allreduce(tensor))
+    return reduced
+
+
+def _base(optimizer):
+    """The class Horovod's wrapper derives from: the program's optimizer class."""
+    return super(type(optimizer), optimizer)
+
+
+def _minimize(optimizer, deferral, loss, var_list, tape):
+    """The step's gradients: the deferred ones stored and marked pending, the others
+    reduced and applied as Horovod would."""
+    import tensorflow as tf
+    tape = tf.GradientTape() if tape is None else tape
+    base = _base(optimizer)
+    if hasattr(base, "_compute_gradients"):          # the legacy optimizers
+        pairs = base._compute_gradients(loss, var_list, None, tape=tape)  # noqa: SLF001
+    else:
+        pairs = base.compute_gradients(loss, var_list, tape=tape)
+    gradients = [gradient for gradient, _ in pairs]
+    index_of = {variable.ref(): i for i, variable in enumerate(deferral.variables)}
+    positions = [index_of.get(variable.ref()) for _, variable in pairs]
+    deferred = deferral.deferred
+    stored = [i for i, position in enumerate(positions) if position in deferred]
+    kept = [i for i in range(len(pairs)) if i not in stored]
+    reduced = _reduce(optimizer, [gradients[i] for i in kept], deferred=False)
+    if deferral.planning is not None:
+        from tfoverlap.horovod.deferred import reducing_allreduce
+        for i, tensor in zip(kept, reduced):
+            if isinstance(tensor, tf.Tensor) and positions[i] is not None:
+                deferral.planning[reducing_allreduce(tensor).name] = positions[i]
+    for i in stored:
+        deferral.buffers[positions[i]].assign(gradients[i])
+    if stored:
+        deferral.pending.assign(True)
+    return optimizer.apply_gradients([(gradient, pairs[i][1])
+                                      for i, gradient in zip(kept, reduced)])
+
+
+def _apply_pending(optimizer, deferral) -> None:
+    """Reduces and applies the pending deferred gradients, chunk by chunk, at the step
+    count they came from; nothing where none is pending."""
+    import tensorflow as tf
+    for chunk in deferral.chunks:
+        def reduce_and_apply(chunk=chunk):
+            reduced = _reduce(optimizer, [deferral.buffers[i].read_value() for i in chunk],
+                              deferred=True)
+            optimizer.iterations.assign_sub(1)     # apply_gradients counts it back
+            optimizer.apply_gradients([(gradient, deferral.variables[i])
+                                       for gradient, i in zip(reduced, chunk)])
+            return tf.constant(True)
+
+        tf.cond(deferral.pending, reduce_and_apply, lambda: tf.constant(False))
+    deferral.pending.assign(False)
+
+
+def _plan(model, optimizer, train_step, data) -> _Deferral:
+    """Traces ``train_step`` apart, plans the deferral from that graph, and builds the
+    buffers; a deferral of nothing (with the reason) where it should not defer."""
+    import tensorflow as tf
+
+    from tfoverlap.horovod.scheduling import plan_deferral
+    from tfoverlap.horovod.settings import wrapper_option
+    mode = wrapper_option("cross_step", "auto")
+    level = logging.WARNING if mode is True else logging.INFO
+    deferral = _Deferral(decision={"mode": "auto" if mode == "auto" else "on", "deferred": 0},
+                         variables=list(model.trainable_variables))
+    refused = deferral_refused(model, optimizer)
+    if refused:
+        deferral.decision["reason"] = refused
+        logger.log(level, "tfoverlap: cross_step: %s; nothing deferred", refused)
+        return deferral
+    _build_slots(optimizer, deferral.variables)
+    deferral.planning = {}
+    spec = tf.nest.map_structure(lambda value: _batch_spec(value, _fit_batch[0]), data)
+    _active.append(deferral)
+    try:
+        graph = tf.function(train_step).get_concrete_function(spec).graph
+    finally:
+        _active.pop()
+    own, deferral.planning = deferral.planning, None
+    chunks, deferral.decision = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode)
+    deferred = sum(len(chunk) for chunk in chunks)
+    if chunks and deferred >= len(deferral.variables):
+        chunks, deferral.decision["reason"] = [], "every gradient would be deferred"
+    if not chunks:
+        logger.log(level, "tfoverlap: cross_step: nothing deferred: %s",
+                   deferral.decision.get("reason"))
+        return deferral
+    deferral.chunks = chunks
+    with tf.init_scope():
+        for index in deferral.deferred:
+            variable = deferral.variables[index]
+            deferral.buffers[index] = tf.Variable(
+                tf.zeros(variable.shape, variable.dtype), trainable=False,
+                name=f"tfoverlap_deferred_{index}")
+        deferral.pending = tf.Variable(False, trainable=False, name="tfoverlap_pending")
+    deferral.drain = tf.function(lambda: _apply_pending(optimizer, deferral))
+    mb = sum(deferral.buffers[i].shape.num_elements() * deferral.buffers[i].dtype.size
+             for i in deferral.deferred) / 1e6
+    deferral.decision.update(deferred=deferred, deferred_mb=round(mb, 3),
+                             chunks=len(chunks))
+    logger.info("tfoverlap: cross_step: %d of %d gradients (%.3g MB) reduced under the "
+                "next step's forward pass, in %d chunks (predicted %s ms a step, in-step "
+                "%s ms)", deferred, len(deferral.variables), mb, len(chunks),
+                deferral.decision.get("predicted_step_ms"),
+                deferral.decision.get("in_step_ms"))
+    return deferral
+
+
+def _batch_spec(value, batch):
+    """The spec of one input of the step, its unknown batch dimension set to ``batch`` (the
+    plan's compute estimates need it); other values as they are."""
+    import tensorflow as tf
+    if not isinstance(value, tf.Tensor):
+        return value
+    shape = value.shape
+    if batch and shape.rank and shape[0] is None:
+        shape = tf.TensorShape([batch]).concatenate(shape[1:])
+    return tf.TensorSpec(shape, value.dtype)
+
+
+def _build_slots(optimizer, variables) -> None:
+    """Creates the optimizer's slots for every variable now, as its first full
+    apply_gradients would (a first apply of a subset would build the new optimizers for
+    that subset only)."""
+    import tensorflow as tf
+    with tf.init_scope():
+        if isinstance(optimizer, tf.keras.optimizers.Optimizer):
+            optimizer.build(variables)
+        else:
+            optimizer._create_all_weights(variables)  # noqa: SLF001 - apply_gradients' own
+
+
+def _pipelined(model, train_step, own_step):
+    """``train_step`` that first applies what the step before left pending (``own_step``:
+    the train_step the program set on the model itself, if any)."""
+    def step(data):
+        deferral = _deferrals.get(model)
+        if deferral is None:
+            deferral = _deferrals[model] = _plan(model, model.optimizer, train_step, data)
+        if not deferral.chunks:
+            return train_step(data)
+        _apply_pending(model.optimizer, deferral)
+        _active.append(deferral)
+        try:
+            return train_step(data)
+        finally:
+            _active.pop()
+    step.tfoverlap_own = own_step
+    return step
+
+
+def _drained(model, train_function):
+    """``train_function`` followed by the drain of what its last step left pending."""
+    def call(*args, **kwargs):
+        outputs = train_function(*args, **kwargs)
+        deferral = _deferrals.get(model)
+        if deferral is not None and deferral.drain is not None:
+            started = time.perf_counter()
+            deferral.drain()
+            deferral.drain_seconds.append(time.perf_counter() - started)
+        return outputs
+    return call
+
+
+def install() -> None:
+    """Makes Keras' ``Model.make_train_function`` build the pipelined step and the drain
+    for models compiled with a registered optimizer (others are left as they are)."""
+    global _installed
+    if _installed:
+        return
+    import tensorflow as tf
+    model_class = tf.keras.Model
+    plain_make = model_class.make_train_function
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        current = self.__dict__.get("train_step")    # a train_step set on the instance
+        if hasattr(current, "tfoverlap_own"):           # ours, from an earlier compile
+            del self.__dict__["train_step"]
+            if current.tfoverlap_own is not None:
+                self.__dict__["train_step"] = current.tfoverlap_own
+            current = current.tfoverlap_own
+        if getattr(self, "optimizer", None) not in _optimizers:
+            return plain_make(self, force)
+        _deferrals.pop(self, None)
+        # Keras looks train_step up on the model when it traces the train function.
+        self.__dict__["train_step"] = _pipelined(
+            self, current or type(self).train_step.__get__(self), current)
+        function = plain_make(self, force)
+        self.train_function = _drained(self, function)
+        return self.train_function
+
+    model_class.make_train_function = make_train_function
+    # Keras' fit makes its data handler (which knows the batch size) before it makes and
+    # first calls the train function.
+    data_adapter = sys.modules[model_class.__module__].data_adapter
+    plain_handler = data_adapter.get_data_handler
+
+    def get_data_handler(*args, **kwargs):
+        handler = plain_handler(*args, **kwargs)
+        adapter = getattr(handler, "_adapter", None)
+        try:
+            _fit_batch[0] = adapter.representative_batch_size()
+        except Exception:  # noqa: BLE001 - an adapter that cannot tell: static shapes
+            _fit_batch[0] = None
+        return handler
+
+    data_adapter.get_data_handler = get_data_handler
+    _installed = True
