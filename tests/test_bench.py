@@ -200,6 +200,55 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
         assert reduced <= set(records)
 
 
+def test_keras_benchmark_worker_end_to_end():
+    """One Keras job of the Horovod benchmark on 2 Gloo ranks (loopback): every variant's
+    model.fit is timed, call by call, per step; rank 0 reports what cross-step overlap
+    decided; the rows are Keras rows, with per-round ratios."""
+    import json
+    import sys
+    from tfoverlap.bench.allreduce import summarize
+    from tfoverlap.testbed.horovod_launch import run_horovod
+    from tfoverlap.testbed.network import EmulatedNetwork
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [
+            sys.executable, "-m", "tfoverlap.bench.keras_worker", "--model", "mobilenet_v2",
+            "--batch", "2", "--image-size", "32", "--variants", "horovod,caramel,compute_only",
+            "--rounds", "2", "--calls", "1", "--steps-per-execution", "2", "--warmup", "1"],
+            controller="gloo", timeout=500)
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    record = json.loads(next(line for line in result.outputs[0].splitlines()
+                             if line.startswith("{")))
+    assert record["api"] == "keras" and record["steps_per_execution"] == 2
+    assert set(record["times"]) == {"horovod", "caramel", "compute_only"}
+    assert all(len(times) == 2 and min(times) > 0 for times in record["times"].values())
+    decision = record["caramel"]["caramel"]["cross_step"]
+    assert decision["mode"] == "auto" and "deferred" in decision, decision
+    assert decision["deferred"] or decision["reason"], decision
+    rows = {row["variant"]: row for row in summarize({
+        **record, "bandwidth": None, "emulate": "", "dilation": 1.0,
+        "steps_per_block": 1})}
+    assert set(rows) == {"horovod", "caramel"}
+    assert all(row["api"] == "keras" and row["steps_per_execution"] == 2
+               for row in rows.values())
+    assert rows["caramel"]["round_low"] <= rows["caramel"]["round_high"]
+
+
+def test_keras_rows_merge_apart_from_graph_mode_rows(tmp_path):
+    """A Keras row and a graph-mode row of the same model, link and variant are two
+    configurations in the docs file."""
+    def row(median, **extra):
+        return {"model": "m", "mode": "training", "workers": 8, "link": "25Gbit",
+                "variant": "caramel", "median_s": median, "speedup": 1.0, "ci_low": 0.9,
+                "ci_high": 1.1, **extra}
+    path = str(tmp_path / "horovod.json")
+    report.write_result_rows([row(1.0)], path)
+    report.write_result_rows([row(2.0, api="keras", steps_per_execution=4, drain_ms=3.0)],
+                             path, merge=True, command="keras")
+    rows = json.loads(open(path).read())
+    assert [(r.get("api"), r["iteration_s"]) for r in rows] == [(None, 1.0), ("keras", 2.0)]
+    assert rows[1]["steps_per_execution"] == 4 and rows[1]["drain_ms"] == 3.0
+
+
 def test_result_rows_merge_into_the_docs_file(tmp_path):
     def row(variant, link, median):
         return {"model": "m", "mode": "inference", "workers": 2, "link": link,

@@ -14,8 +14,13 @@ links) and runs two Horovod (Gloo) jobs, one rank per host:
   gradient, ring time, waits and the tail after it (:mod:`tfoverlap.costs.horovod_timeline`;
   ``breakdown`` in the rows, a table, and ``timeline-MODEL-LINK.png``).
 
+``--api keras`` times Keras ``model.fit`` instead (:mod:`tfoverlap.bench.keras_worker`:
+Horovod's Keras optimizer, again as the A/A row, and tfoverlap.horovod.keras's, compiled
+with ``--steps-per-execution``), without the traced and autotune jobs; its rows carry
+``api: keras``.
+
 Speed-ups are medians over the steps of both ranks' lock-stepped job (rank 0's clock),
-with 95% bootstrap intervals. Results go to CSV, Markdown, JSON and a PNG.
+with 95% bootstrap intervals, and the range of the per-round ratios. Results go to CSV, Markdown, JSON and a PNG.
 
     sudo .venv/bin/python -m tfoverlap.bench.allreduce --out out/horovod
 
@@ -58,9 +63,10 @@ EMULATED_BATCH = {"resnet50": 64, "inception_v3": 64, "vgg16": 32, "transformer"
 
 
 
-def _worker_job(network, argv: list[str], env: dict, timeout: float, log_path: str) -> dict:
+def _worker_job(network, argv: list[str], env: dict, timeout: float, log_path: str,
+                worker: str = "tfoverlap.bench.allreduce_worker") -> dict:
     from tfoverlap.testbed.horovod_launch import run_horovod
-    command = [sys.executable, "-m", "tfoverlap.bench.allreduce_worker"] + argv
+    command = [sys.executable, "-m", worker] + argv
     # Eight ranks building six variants' graphs on two cores are minutes apart: Gloo's
     # 30 s default would end the job while the first ranks wait for the last.
     env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "900", **env}
@@ -83,11 +89,15 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
                       steps: int, workdir: str, autotune: bool = True,
                       timeout: float = 3600.0, variants: str = MAIN_JOB_VARIANTS,
                       ranks: int = 2, emulate: str = "",
-                      dilation: float | None = 1.0, breakdown: bool = True) -> dict:
+                      dilation: float | None = 1.0, breakdown: bool = True,
+                      api: str = "graph", steps_per_execution: int = 4) -> dict:
     """The jobs of one configuration on a fresh network of ``ranks`` hosts; the raw
     measurements. ``bandwidth`` is in emulated units where ``emulate`` is given;
     ``dilation=None`` chooses it. ``breakdown``: a third job traces a few steps of each
-    variant with Horovod's timeline, to split them (not timed)."""
+    variant with Horovod's timeline, to split them (not timed). ``api="keras"``: the
+    side-by-side job is :mod:`tfoverlap.bench.keras_worker`'s ``model.fit`` (``steps``
+    timed calls of ``steps_per_execution`` steps per block), without the traced and the
+    autotune jobs."""
     from tfoverlap.testbed.network import EmulatedNetwork
     os.makedirs(workdir, exist_ok=True)
     automatic = bool(emulate) and dilation is None
@@ -103,10 +113,18 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
             common += ["--emulate", emulate, "--dilation", str(dilation)]
         description = network.describe()
         progress(f"{model} at {link_name(bandwidth)}: {description}; side-by-side job")
-        main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
-                                                  str(steps), "--variants", variants],
-                               dilated_horovod_env(dilation), timeout,
-                               os.path.join(workdir, "main-job.log"))
+        if api == "keras":
+            main_job = _worker_job(network, common + [
+                "--rounds", str(rounds), "--calls", str(steps), "--variants", variants,
+                "--steps-per-execution", str(steps_per_execution)],
+                dilated_horovod_env(dilation), timeout, os.path.join(workdir, "main-job.log"),
+                worker="tfoverlap.bench.keras_worker")
+            breakdown = autotune = False
+        else:
+            main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
+                                                      str(steps), "--variants", variants],
+                                   dilated_horovod_env(dilation), timeout,
+                                   os.path.join(workdir, "main-job.log"))
         breakdowns, figures = {}, {}
         traced_variants = [v for v in variants.split(",")
                            if v not in ("compute_only", "comm_only")]
@@ -144,7 +162,9 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
             "network_model": main_job["network_model"],
             "parameter_bytes": main_job["parameter_bytes"], "tensors": main_job["tensors"],
             "autotune": tuned and tuned["autotune_log_tail"],
-            "breakdown": breakdowns, "figure_steps": figures}
+            "breakdown": breakdowns, "figure_steps": figures, "api": api,
+            "steps_per_execution": main_job.get("steps_per_execution"),
+            "steps_per_block": steps}
 
 
 def traced_breakdowns(traced: dict, timeline_path: str) -> tuple[dict, dict]:
@@ -251,6 +271,16 @@ def predicted_step(variant: str, caramel: dict) -> float:
     return math.nan
 
 
+def _round_ratios(baseline: list, variant: list, per_round: int | None) -> list[float]:
+    """Per round, the median step of ``baseline`` over that of ``variant`` (their step
+    lists hold ``per_round`` steps of each round, in order); [] where that is unknown."""
+    if not per_round or len(baseline) != len(variant) or len(baseline) % per_round:
+        return []
+    return [statistics.median(baseline[i:i + per_round])
+            / statistics.median(variant[i:i + per_round])
+            for i in range(0, len(baseline), per_round)]
+
+
 def summarize(result: dict) -> list[dict]:
     """One row per variant: median step, spread, speed-up over Horovod's defaults, and
     the step Caramel's simulation predicted for it (``predicted_s``, where it predicts one)."""
@@ -287,7 +317,14 @@ def summarize(result: dict) -> list[dict]:
             "declined": bool(caramel.get("declined")),
             "predicted_gain": caramel.get("predicted_gain", ""),
         })
+        if result.get("api") == "keras":
+            rows[-1].update(api="keras", steps_per_execution=result["steps_per_execution"])
+        rounds = _round_ratios(times["horovod"], times[name], result.get("steps_per_block"))
+        if rounds:
+            rows[-1].update(round_low=min(rounds), round_high=max(rounds))
         deferral = caramel.get("cross_step") or {}
+        if deferral.get("drain_ms"):
+            rows[-1]["drain_ms"] = deferral["drain_ms"]
         if deferral.get("deferred"):
             rows[-1].update(deferred_gradients=deferral["deferred"],
                             deferred_mb=deferral.get("deferred_bytes", 0) / 1e6)
@@ -361,6 +398,12 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=MAIN_JOB_VARIANTS,
                         help="the side-by-side job's variants (see allreduce_worker); "
                              "compute_only and comm_only give comm/comp (else unknown)")
+    parser.add_argument("--api", choices=("graph", "keras"), default="graph",
+                        help="graph: TF1 sessions (allreduce_worker); keras: model.fit "
+                             "(keras_worker: horovod, horovod_again, caramel, compute_only)")
+    parser.add_argument("--steps-per-execution", type=int, default=4,
+                        help="--api keras: compile(steps_per_execution=); --steps is "
+                             "then the timed calls of the train function per block")
     parser.add_argument("--results", help="also merge the rows into this JSON file "
                                            "(docs/results/*.json), replacing rows of the same "
                                            "model, mode, workers, link and variant")
@@ -378,6 +421,12 @@ def main(argv=None) -> int:
         bandwidths = [None if b.strip() == "unshaped" else parse_bandwidth(b)
                       for b in args.bandwidths.split(",")]
         from tfoverlap.bench.allreduce_worker import VARIANT_NAMES
+        if args.api == "keras":
+            from tfoverlap.bench.keras_worker import VARIANTS as VARIANT_NAMES
+            if args.variants == MAIN_JOB_VARIANTS:
+                args.variants = "horovod,horovod_again,caramel"
+            if args.steps_per_execution < 1:
+                raise ValueError("--steps-per-execution must be >= 1")
         chosen = args.variants.split(",")
         if "horovod" not in chosen or set(chosen) - set(VARIANT_NAMES):
             raise ValueError(f"--variants must include horovod and come from "
@@ -401,7 +450,9 @@ def main(argv=None) -> int:
                                        bandwidth, args.rounds, args.steps, workdir,
                                        autotune=not args.no_autotune, variants=args.variants,
                                        ranks=args.workers, emulate=args.emulate,
-                                       dilation=dilation, breakdown=not args.no_breakdown)
+                                       dilation=dilation, breakdown=not args.no_breakdown,
+                                       api=args.api,
+                                       steps_per_execution=args.steps_per_execution)
             results.append(result)
             rows.extend(summarize(result))
             progress(", ".join(f"{r['variant']} {r['median_s']:.3f}s ({r['speedup']:.2f}x)"

@@ -34,8 +34,10 @@ def write_csv(rows: list[dict], path: str) -> None:
 RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "declined",
                 "emulated", "dilation", "host_busy", "worker_cpu_share", "breakdown",
                 "predicted_s", "prediction_error", "round_low", "round_high",
-                "deferred_gradients", "deferred_mb", "command", "date")
-_ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps")   # PS rows: per PS count
+                "deferred_gradients", "deferred_mb", "api", "steps_per_execution",
+                "drain_ms", "command", "date")
+#: PS rows: per PS count; Keras rows (api "keras") apart from graph-mode ones (no api)
+_ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps", "api")
 
 
 def _row_key(row: dict) -> tuple:

@@ -1,0 +1,167 @@
+"""One rank of the Horovod benchmark's Keras job: ``model.fit`` of every variant, in turns.
+
+Run by :mod:`tfoverlap.bench.allreduce` (``--api keras``) as a Horovod job, one rank per
+emulated host. Every variant is the same ``tf.keras.applications`` model, batch and seed,
+compiled with ``steps_per_execution`` (the same for all, what a Keras user sets for
+cross-step overlap) and trained on one synthetic batch repeated:
+
+  horovod        ``horovod.tensorflow.keras.DistributedOptimizer`` as is.
+  horovod_again  the same again: the A/A row.
+  caramel        ``tfoverlap.horovod.keras.DistributedOptimizer``, default options
+                 (cross-step overlap within each call where the plan predicts a gain).
+  compute_only   the same model with a local optimizer: the step without communication.
+
+A block of a variant is one ``fit`` of ``--calls + 1`` calls of the train function; the
+time of each call but the first (from one ``on_train_batch_end`` to the next, so with the
+drain of what its last step left pending) divided by ``steps_per_execution`` is one
+step's time. Blocks rotate every round. Rank 0 prints one JSON line shaped like
+:mod:`tfoverlap.bench.allreduce_worker`'s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["VARIANTS", "main"]
+
+VARIANTS = ("horovod", "horovod_again", "caramel", "compute_only")
+
+
+def _model(args):
+    import tensorflow as tf
+
+    from tfoverlap.testbed.models import KERAS_APPLICATIONS
+    tf.keras.utils.set_random_seed(args.seed)
+    return getattr(tf.keras.applications, KERAS_APPLICATIONS[args.model])(
+        weights=None, input_shape=(args.image_size, args.image_size, 3), classes=1000)
+
+
+def _build(variant: str, args, emulation: dict):
+    """The compiled model of ``variant`` after its first (untimed) call, which traces it
+    and runs the Grappler passes under that variant's function config."""
+    import horovod.tensorflow.keras as hvd_keras
+    import tensorflow as tf
+
+    import tfoverlap
+    import tfoverlap.horovod as tfo_hvd
+    import tfoverlap.horovod.keras as tfo_keras
+    from tfoverlap.integrations.tf_function import get_function_config, set_function_config
+    previous = get_function_config()
+    optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    try:
+        if variant == "caramel":
+            tfo_hvd.configure(**emulation)
+            optimizer = tfo_keras.DistributedOptimizer(optimizer)   # its function config
+        else:
+            if emulation:
+                tfoverlap.enable_for_tf_function(schedule="none", **emulation)
+            if variant != "compute_only":
+                optimizer = hvd_keras.DistributedOptimizer(optimizer)
+        model = _model(args)
+        model.compile(optimizer=optimizer,
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=args.steps_per_execution)
+        model.fit(_dataset(args), steps_per_epoch=args.steps_per_execution * args.warmup,
+                  epochs=1, verbose=0)
+    finally:
+        set_function_config(previous)
+        tfo_hvd.configure()
+    return model
+
+
+def _dataset(args):
+    import tensorflow as tf
+    images = tf.random.stateless_uniform([args.batch, args.image_size, args.image_size, 3],
+                                         seed=[args.seed, 1])
+    labels = tf.random.stateless_uniform([args.batch], seed=[args.seed, 2], maxval=1000,
+                                         dtype=tf.int32)
+    return tf.data.Dataset.from_tensors((images, labels)).repeat()
+
+
+def _block(model, args) -> tuple[list[float], list[float]]:
+    """One fit of ``--calls + 1`` calls: per-step wall and CPU seconds of the last ones."""
+    import tensorflow as tf
+    marks = []
+
+    class Mark(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            marks.append((time.perf_counter(), time.process_time()))
+
+    model.fit(_dataset(args), steps_per_epoch=args.steps_per_execution * (args.calls + 1),
+              epochs=1, verbose=0, callbacks=[Mark()])
+    per_step = float(args.steps_per_execution)
+    wall = [(b[0] - a[0]) / per_step for a, b in zip(marks, marks[1:])]
+    cpu = [(b[1] - a[1]) / per_step for a, b in zip(marks, marks[1:])]
+    return wall, cpu
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--variants", default="horovod,horovod_again,caramel")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=2,
+                        help="timed calls of the train function per block")
+    parser.add_argument("--steps-per-execution", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per variant")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--emulate", default="", help="a device model or file")
+    parser.add_argument("--dilation", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}",
+              file=sys.stderr)
+        return 2
+    import horovod.tensorflow.keras as hvd_keras
+    hvd_keras.init()
+    import tfoverlap
+    import tfoverlap.horovod as tfo_hvd
+    import tfoverlap.horovod.keras as tfo_keras
+    from tfoverlap.bench.dilation import busy_fraction, cpu_sample
+    emulation = {"emulate": args.emulate, "dilation": args.dilation} if args.emulate else {}
+    began = time.perf_counter()
+    built, caramel = {}, {}
+    for variant in variants:
+        reports_before = len(tfoverlap.recent_reports())
+        built[variant] = _build(variant, args, emulation)
+        if variant == "caramel":
+            summary = next((p.summary for r in tfoverlap.recent_reports()[reports_before:]
+                            for p in r.passes if p.name == "caramel"), None) or {}
+            decision = tfo_keras.cross_step_decision(built[variant]) or {}
+            summary = {key: value for key, value in summary.items()
+                       if key != "allreduces_left_out_names"}
+            caramel[variant] = {**summary, "cross_step": {
+                **decision, "deferred_bytes": decision.get("deferred_mb", 0) * 1e6}}
+    build_seconds = time.perf_counter() - began
+    times = {variant: [] for variant in variants}
+    cpu = {variant: [] for variant in variants}
+    before = cpu_sample()
+    for round_number in range(args.rounds):
+        shift = round_number % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            wall, used = _block(built[variant], args)
+            times[variant].extend(wall)
+            cpu[variant].extend(used)
+    host_busy = busy_fraction(before, cpu_sample())
+    model = next(iter(built.values()))
+    if hvd_keras.rank() == 0:
+        print(json.dumps({
+            "model": args.model, "batch": args.batch, "ranks": hvd_keras.size(),
+            "api": "keras", "steps_per_execution": args.steps_per_execution,
+            "parameter_bytes": sum(v.shape.num_elements() * v.dtype.size
+                                   for v in model.trainable_variables),
+            "tensors": len(model.trainable_variables), "times": times, "cpu": cpu,
+            "host_busy": host_busy, "build_seconds": build_seconds, "traced": {},
+            "calmed_threads": 0, "network_model": tfo_hvd.network_model(),
+            "caramel": caramel}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
