@@ -18,17 +18,22 @@ EXACT = ["plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoi
          "nesterov", "make_callable", "monitored_session"]
 
 
-@pytest.fixture(scope="module")
-def patterns(tmp_path_factory):
-    """Each rank's record of each pattern and variant."""
-    checkpoints = tmp_path_factory.mktemp("checkpoints")
+def _contract_job(job: str, checkpoints) -> list[dict]:
+    """Runs ``job`` on 2 Gloo ranks (loopback); each rank's JSON record."""
     with EmulatedNetwork(2, loopback=True) as network:
-        result = run_horovod(network, 2, [sys.executable, JOB], controller="gloo",
+        result = run_horovod(network, 2, [sys.executable, job], controller="gloo",
                              timeout=600,
                              env={"CROSS_STEP_CHECKPOINTS": str(checkpoints)})
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
     return [json.loads(next(line for line in output.splitlines() if line.startswith("{")))
-            ["patterns"] for output in result.outputs]
+            for output in result.outputs]
+
+
+@pytest.fixture(scope="module")
+def patterns(tmp_path_factory):
+    """Each rank's record of each pattern and variant."""
+    return [record["patterns"] for record in
+            _contract_job(JOB, tmp_path_factory.mktemp("checkpoints"))]
 
 
 @pytest.mark.parametrize("pattern", EXACT)
@@ -208,14 +213,7 @@ KERAS_EXACT = ["sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_ad
 @pytest.fixture(scope="module")
 def keras_patterns(tmp_path_factory):
     """Each rank's record of each Keras pattern and variant."""
-    checkpoints = tmp_path_factory.mktemp("keras_checkpoints")
-    with EmulatedNetwork(2, loopback=True) as network:
-        result = run_horovod(network, 2, [sys.executable, KERAS_JOB], controller="gloo",
-                             timeout=600,
-                             env={"CROSS_STEP_CHECKPOINTS": str(checkpoints)})
-    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-    return [json.loads(next(line for line in output.splitlines() if line.startswith("{")))
-            for output in result.outputs]
+    return _contract_job(KERAS_JOB, tmp_path_factory.mktemp("keras_checkpoints"))
 
 
 @pytest.mark.parametrize("pattern", KERAS_EXACT)
