@@ -109,6 +109,13 @@ def activate_from_environment() -> None:
         _on_tensorflow(options)
     else:
         sys.meta_path.insert(0, _AfterImport("tensorflow", lambda: _on_tensorflow(options)))
+    if str(options.get("allreduce", "")).lower() == "caramel":
+        for module in ("horovod.tensorflow", "horovod.tensorflow.keras"):
+            if module in sys.modules:
+                _substitute_wrappers(module, options)
+            else:
+                sys.meta_path.insert(0, _AfterImport(
+                    module, lambda module=module: _substitute_wrappers(module, options)))
 
 
 def activate_from_install() -> None:
@@ -170,16 +177,42 @@ def _on_tensorflow(options: dict) -> None:
     atexit.register(lambda: print(summary_line(), file=sys.stderr, flush=True))
 
 
+def _substitute_wrappers(module_name: str, options: dict) -> None:
+    """``--allreduce caramel``: tfoverlap's DistributedOptimizer in place of Horovod's in
+    ``module_name`` (graph-mode and Keras optimizers then get Caramel's plan in the graph
+    being built, cross-step overlap included), planned with the run's options."""
+    try:
+        import tfoverlap.horovod as tfo_hvd
+        from tfoverlap.horovod.wrappers import substitute_in_horovod
+        module = sys.modules[module_name]
+        if module_name.endswith(".keras"):
+            import tfoverlap.horovod.keras as tfo_keras
+            substitute_in_horovod(module, {"DistributedOptimizer":
+                                           tfo_keras.DistributedOptimizer})
+        else:
+            substitute_in_horovod(module, {"DistributedOptimizer":
+                                           tfo_hvd.DistributedOptimizer})
+            tfo_hvd.configure(**{name: value for name, value in options.items()
+                                 if name != "allreduce"})
+    except Exception as error:  # noqa: BLE001 - the program must run anyway
+        print(f"tfoverlap: Horovod's DistributedOptimizer is left in place "
+              f"({type(error).__name__}: {error})", file=sys.stderr)
+
+
 def summary_line() -> str:
     """One line: what the passes of this process did (from its recent reports)."""
     from tfoverlap.integrations.tf_function import coordinator_dispatches
     from tfoverlap.passes.base import recent_reports
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     ordered, planned, declined, failed = {}, {}, [], 0
+    keras = sys.modules.get("tfoverlap.horovod.keras_deferred")
+    cross_step = list(keras.recent_decisions()) if keras else []
     for report in recent_reports():
         failed += report.reverted
         for entry in report.passes:
             summary = entry.summary
+            if entry.name == "caramel" and summary.get("cross_step"):
+                cross_step.append(summary["cross_step"])
             if entry.name == "tictac" and summary.get("ordering_edges"):
                 ordered[report.item_id] = summary["transfers"]
             elif entry.name == "caramel" and summary.get("buckets"):
@@ -194,6 +227,13 @@ def summary_line() -> str:
                      f"{len(planned)} graphs")
     if declined:
         parts.append(f"left {len(declined)} graphs unchanged ({declined[-1]})")
+    deferred = [decision["deferred"] for decision in cross_step if decision.get("deferred")]
+    if deferred:
+        parts.append(f"cross-step overlap: {sum(deferred)} gradients of {len(deferred)} "
+                     "train steps reduced under the next step's forward pass")
+    elif cross_step:
+        parts.append("cross-step overlap deferred nothing "
+                     f"({cross_step[-1].get('reason', 'no reason given')})")
     if coordinator_dispatches():
         parts.append(f"dispatched {coordinator_dispatches()} ClusterCoordinator closures to "
                      "workers, whose Grappler optimizes them (their reports are there)")

@@ -40,7 +40,9 @@ def _model(args):
 
 def _build(variant: str, args, emulation: dict):
     """The compiled model of ``variant`` after its first (untimed) call, which traces it
-    and runs the Grappler passes under that variant's function config."""
+    and runs the Grappler passes under that variant's function config; and that config.
+    TensorFlow instantiates a function anew for another config, so every later call of
+    the variant's functions must be made under it too."""
     import horovod.tensorflow.keras as hvd_keras
     import tensorflow as tf
 
@@ -65,10 +67,11 @@ def _build(variant: str, args, emulation: dict):
                       steps_per_execution=args.steps_per_execution)
         model.fit(_dataset(args), steps_per_epoch=args.steps_per_execution * args.warmup,
                   epochs=1, verbose=0)
+        config = get_function_config()
     finally:
         set_function_config(previous)
         tfo_hvd.configure()
-    return model
+    return model, config
 
 
 def _dataset(args):
@@ -80,17 +83,25 @@ def _dataset(args):
     return tf.data.Dataset.from_tensors((images, labels)).repeat()
 
 
-def _block(model, args) -> tuple[list[float], list[float]]:
-    """One fit of ``--calls + 1`` calls: per-step wall and CPU seconds of the last ones."""
+def _block(model, config, args) -> tuple[list[float], list[float]]:
+    """One fit of ``--calls + 1`` calls under the variant's function ``config``: per-step
+    wall and CPU seconds of the last ones."""
     import tensorflow as tf
+
+    from tfoverlap.integrations.tf_function import get_function_config, set_function_config
     marks = []
 
     class Mark(tf.keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             marks.append((time.perf_counter(), time.process_time()))
 
-    model.fit(_dataset(args), steps_per_epoch=args.steps_per_execution * (args.calls + 1),
-              epochs=1, verbose=0, callbacks=[Mark()])
+    previous = get_function_config()
+    set_function_config(config)
+    try:
+        model.fit(_dataset(args), steps_per_epoch=args.steps_per_execution * (args.calls + 1),
+                  epochs=1, verbose=0, callbacks=[Mark()])
+    finally:
+        set_function_config(previous)
     per_step = float(args.steps_per_execution)
     wall = [(b[0] - a[0]) / per_step for a, b in zip(marks, marks[1:])]
     cpu = [(b[1] - a[1]) / per_step for a, b in zip(marks, marks[1:])]
@@ -133,7 +144,7 @@ def main(argv=None) -> int:
         if variant == "caramel":
             summary = next((p.summary for r in tfoverlap.recent_reports()[reports_before:]
                             for p in r.passes if p.name == "caramel"), None) or {}
-            decision = tfo_keras.cross_step_decision(built[variant]) or {}
+            decision = tfo_keras.cross_step_decision(built[variant][0]) or {}
             summary = {key: value for key, value in summary.items()
                        if key != "allreduces_left_out_names"}
             caramel[variant] = {**summary, "cross_step": {
@@ -145,11 +156,11 @@ def main(argv=None) -> int:
     for round_number in range(args.rounds):
         shift = round_number % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            wall, used = _block(built[variant], args)
+            wall, used = _block(*built[variant], args)
             times[variant].extend(wall)
             cpu[variant].extend(used)
     host_busy = busy_fraction(before, cpu_sample())
-    model = next(iter(built.values()))
+    model = next(iter(built.values()))[0]
     if hvd_keras.rank() == 0:
         print(json.dumps({
             "model": args.model, "batch": args.batch, "ranks": hvd_keras.size(),

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from tfoverlap.horovod import keras_deferred
 from tfoverlap.horovod.settings import wrapper_option
-from tfoverlap.horovod.wrappers import enable_for_functions, keeps_horovods_reduction
+from tfoverlap.horovod.wrappers import (enable_for_functions, horovods,
+                                        keeps_horovods_reduction)
 
 __all__ = ["DistributedOptimizer", "cross_step_decision"]
 
@@ -41,7 +42,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     keeps_horovods = keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op)
     if not keeps_horovods:
         enable_for_functions()
-    wrapped = hvd_keras.DistributedOptimizer(
+    wrapped = horovods(hvd_keras, "DistributedOptimizer")(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor, op=op,

@@ -33,12 +33,13 @@ import weakref
 
 from tfoverlap.log import logger
 
-__all__ = ["install", "decision_for", "deferral_refused"]
+__all__ = ["install", "register", "decision_for", "recent_decisions", "deferral_refused"]
 
 _deferrals = weakref.WeakKeyDictionary()    # Keras model -> _Deferral
 _optimizers = weakref.WeakKeyDictionary()   # optimizer -> its Horovod reduction arguments
 _active: list = []                          # the _Deferral of the step being traced
 _fit_batch = [None]                         # the batch size of the last Keras data handler
+_decisions: list = []                       # every decision of this process, in order
 _installed = False
 
 
@@ -73,6 +74,11 @@ def decision_for(model) -> dict | None:
         decision.update(drains=len(deferral.drain_seconds),
                         drain_ms=round(later[len(later) // 2] * 1e3, 3))
     return decision
+
+
+def recent_decisions() -> list[dict]:
+    """The decisions of this process's train functions (first traces), oldest first."""
+    return [dict(decision) for decision in _decisions]
 
 
 def deferral_refused(model, optimizer) -> str:
@@ -275,6 +281,7 @@ def _pipelined(model, train_step, own_step):
         deferral = _deferrals.get(model)
         if deferral is None:
             deferral = _deferrals[model] = _plan(model, model.optimizer, train_step, data)
+            _decisions.append(deferral.decision)
         if not deferral.chunks:
             return train_step(data)
         _apply_pending(model.optimizer, deferral)

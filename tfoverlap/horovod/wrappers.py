@@ -11,7 +11,25 @@ from tfoverlap.horovod.settings import caramel_options, wrapper_option, wrapper_
 from tfoverlap.log import logger
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "keeps_horovods_reduction",
-           "enable_for_functions", "flush_op"]
+           "enable_for_functions", "flush_op", "horovods", "substitute_in_horovod"]
+
+#: Horovod's own wrappers, where :func:`substitute_in_horovod` put tfoverlap's in their place
+_horovods: dict = {}
+
+
+def horovods(module, name: str):
+    """Horovod's own ``module.name`` (``DistributedOptimizer``), even where tfoverlap's
+    wrapper has taken its place in that module."""
+    return _horovods.get((module.__name__, name)) or getattr(module, name)
+
+
+def substitute_in_horovod(module, wrappers: dict) -> None:
+    """Puts tfoverlap's ``wrappers`` (name -> function) in Horovod's ``module`` in place of
+    its own (``tfoverlap run --allreduce caramel``: a program that calls
+    ``hvd.DistributedOptimizer`` gets tfoverlap's, cross-step overlap included, unchanged)."""
+    for name, wrapper in wrappers.items():
+        _horovods.setdefault((module.__name__, name), getattr(module, name))
+        setattr(module, name, wrapper)
 
 
 def _reduce_without_cond(grads, device_dense, device_sparse, compression, sparse_as_dense,
@@ -68,7 +86,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     compression = hvd.Compression.none if compression is None else compression
     op = hvd.Average if op is None else op
     process_set = hvd.global_process_set if process_set is None else process_set
-    wrapped = hvd.DistributedOptimizer(
+    wrapped = horovods(hvd, "DistributedOptimizer")(
         optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
         device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
         backward_passes_per_step=backward_passes_per_step, op=op,

@@ -1,0 +1,73 @@
+"""A plain Horovod program that never imports tfoverlap (tests/test_cross_step.py runs it
+with and without ``tfoverlap run --allreduce caramel``).
+
+argv[1]: "graph" (TF1, ``hvd.DistributedOptimizer`` around Momentum, 4 session runs) or
+"keras" (``horovod.tensorflow.keras.DistributedOptimizer`` in model.fit with
+steps_per_execution=2). Prints one JSON line per rank: the losses, the final weights,
+and the module the program's ``DistributedOptimizer`` came from.
+"""
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+MODE = sys.argv[1]
+if MODE == "graph":
+    tf.compat.v1.disable_eager_execution()
+import horovod.tensorflow as hvd  # noqa: E402
+import horovod.tensorflow.keras as hvd_keras  # noqa: E402
+
+hvd.init()
+STEPS, BATCH = 4, 32
+initial = [np.random.default_rng(7).normal(0, 0.1, shape).astype(np.float32)
+           for shape in [(64, 64)] * 5 + [(64, 10)]]
+data = np.random.default_rng(100 + hvd.rank())
+inputs = data.normal(size=(STEPS * BATCH, 64)).astype(np.float32)
+labels = data.integers(0, 10, size=(STEPS * BATCH,))
+
+
+def train_graph():
+    x = tf.compat.v1.placeholder(tf.float32, [BATCH, 64])
+    y = tf.compat.v1.placeholder(tf.int64, [BATCH])
+    weights = [tf.compat.v1.get_variable(f"w{i}", initializer=w, use_resource=True)
+               for i, w in enumerate(initial)]
+    hidden = x
+    for weight in weights[:-1]:
+        hidden = tf.nn.relu(tf.matmul(hidden, weight))
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(hidden, weights[-1])))
+    optimizer = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.05, 0.9))
+    train = optimizer.minimize(loss)
+    losses = []
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(hvd.broadcast_global_variables(0))
+        for step in range(STEPS):
+            feed = {x: inputs[step * BATCH:(step + 1) * BATCH],
+                    y: labels[step * BATCH:(step + 1) * BATCH]}
+            losses.append(float(session.run([loss, train], feed)[0]))
+        final = session.run(weights)
+    return losses, final, hvd.DistributedOptimizer.__module__
+
+
+def train_keras():
+    tf.keras.utils.set_random_seed(7)
+    model = tf.keras.Sequential([tf.keras.Input((64,))] + [
+        tf.keras.layers.Dense(w.shape[1], use_bias=False,
+                              activation="relu" if i < len(initial) - 1 else None)
+        for i, w in enumerate(initial)])
+    model.set_weights(initial)
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(
+        tf.keras.optimizers.SGD(0.05, momentum=0.9)),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=2)
+    history = model.fit(inputs, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return (history.history["loss"], model.get_weights(),
+            hvd_keras.DistributedOptimizer.__module__)
+
+
+losses, final, wrapper = train_graph() if MODE == "graph" else train_keras()
+print(json.dumps({"rank": hvd.rank(), "losses": losses,
+                  "weights": [w.ravel().tolist() for w in final], "wrapper": wrapper}),
+      flush=True)
