@@ -323,8 +323,8 @@ def summarize(result: dict) -> list[dict]:
         if rounds:
             rows[-1].update(round_low=min(rounds), round_high=max(rounds))
         deferral = caramel.get("cross_step") or {}
-        if deferral.get("drain_ms"):
-            rows[-1]["drain_ms"] = deferral["drain_ms"]
+        if deferral.get("drain_ms"):        # one drain per call, in the rows' time unit
+            rows[-1]["drain_ms"] = deferral["drain_ms"] * scale
         if deferral.get("deferred"):
             rows[-1].update(deferred_gradients=deferral["deferred"],
                             deferred_mb=deferral.get("deferred_bytes", 0) / 1e6)

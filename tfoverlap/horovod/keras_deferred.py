@@ -221,7 +221,10 @@ def _plan(model, optimizer, train_step, data) -> _Deferral:
     finally:
         _active.pop()
     own, deferral.planning = deferral.planning, None
-    chunks, deferral.decision = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode)
+    with tf.init_scope():
+        steps = int(model._steps_per_execution.numpy())  # noqa: SLF001 - checked above
+    chunks, deferral.decision = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode,
+                                              drain_every=steps)
     deferred = sum(len(chunk) for chunk in chunks)
     if chunks and deferred >= len(deferral.variables):
         chunks, deferral.decision["reason"] = [], "every gradient would be deferred"

@@ -82,13 +82,16 @@ def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, va
     return train
 
 
-def plan_deferral(graph_def, own: dict, mode) -> tuple[list[list[int]], dict]:
+def plan_deferral(graph_def, own: dict, mode,
+                  drain_every: int = 0) -> tuple[list[list[int]], dict]:
     """Which of an optimizer's reductions to defer to the next step, in chunks, and the
     decision as the Caramel report gives it. ``own`` maps the names of this optimizer's
     HorovodAllreduce nodes in ``graph_def`` (which may hold other optimizers' too) to the
     indices the chunks are made of. ``mode`` "auto" defers where the predicted step gains
     at least min_gain over the in-step plan's; True wherever a reduction fits under the
-    forward pass. Never raises: without a plan nothing is deferred, with a warning."""
+    forward pass. ``drain_every`` N: what is deferred is reduced exposed once every N
+    steps (Keras' drain after each call of N steps), which the prediction charges to each
+    step. Never raises: without a plan nothing is deferred, with a warning."""
     from tfoverlap.costs.network import ring_allreduce_seconds
     from tfoverlap.options import link_bandwidth, parse_options
     from tfoverlap.planning.caramel import (deferred_chunks, deferred_step,
@@ -109,6 +112,11 @@ def plan_deferral(graph_def, own: dict, mode) -> tuple[list[list[int]], dict]:
         positions = [chunk for chunk in positions if chunk]
         in_step = min(plan.predicted_step, plan.baseline_step)
         predicted = deferred_step(plan, rings, positions, request)
+        if drain_every and positions:
+            drain = sum(rings[p] for chunk in positions for p in chunk) \
+                + len(positions) * request
+            predicted += drain / drain_every
+            decision["drain_predicted_ms"] = round(drain * 1e3, 3)
         gain = 1.0 - predicted / in_step if in_step > 0 else 0.0
         decision.update(in_step_ms=round(in_step * 1e3, 3),
                         predicted_step_ms=round(predicted * 1e3, 3),
