@@ -207,7 +207,7 @@ def test_a_cross_step_setting_other_than_true_false_or_auto_is_named(value):
 # of the train function (steps_per_execution=4) and is drained before it returns.
 KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_cross_step.py")
 KERAS_EXACT = ["sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
-               "schedule", "validation", "checkpoint"]
+               "schedule", "validation", "checkpoint", "embedding"]
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,9 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
     - validation: validation_data, and rank 0 alone evaluating after each epoch (no
       collective: exact values, no hang);
     - checkpoint: a tf.train.Checkpoint of model and optimizer after epoch 1, restored in
-      a new model that trains epoch 2."""
+      a new model that trains epoch 2;
+    - embedding: an Embedding first (its sparse gradient, ready last, stays in the step;
+      dense layers after it are deferred)."""
     for rank, records in enumerate(keras_patterns):
         plain, deferred = records[pattern]["horovod"], records[pattern]["tfoverlap"]
         assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)

@@ -21,7 +21,8 @@ import tfoverlap.horovod as tfo_hvd  # noqa: E402
 import tfoverlap.horovod.keras as tfo_keras  # noqa: E402
 
 PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
-            "schedule", "validation", "checkpoint", "one_step_per_call", "clipnorm")
+            "schedule", "validation", "checkpoint", "embedding", "one_step_per_call",
+            "clipnorm")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
 WIDTHS = [64, 64, 64, 64, 64, 10]
@@ -60,8 +61,18 @@ def model_for(pattern):
     tf.keras.utils.set_random_seed(7)
     layers = [tf.keras.layers.Dense(width, activation="relu" if i < len(WIDTHS) - 1 else None,
                                     name=f"dense{i}") for i, width in enumerate(WIDTHS)]
-    model = tf.keras.Sequential([tf.keras.Input((64,))] + layers)
-    return model
+    if pattern == "embedding":
+        # The first layer's gradient (ready last) is sparse (IndexedSlices): Horovod
+        # gathers it, and it is never deferred; the dense layers after it may be.
+        return tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Embedding(
+            100, 8, name="embedding"), tf.keras.layers.Flatten()] + layers)
+    return tf.keras.Sequential([tf.keras.Input((64,))] + layers)
+
+
+def inputs_for(pattern):
+    if pattern == "embedding":
+        return np.abs(INPUTS[:, :8] * 30).astype(np.int64) % 100
+    return INPUTS
 
 
 def train(pattern, variant):
@@ -97,7 +108,7 @@ def train(pattern, variant):
         # Epoch 1, a checkpoint on rank 0, a fresh model restored from it and broadcast,
         # then epoch 2: what a restarted job does.
         path = os.path.join(CHECKPOINTS, f"{variant}-{RANK}")
-        model.fit(INPUTS, LABELS, epochs=1, **fit)
+        model.fit(inputs_for(pattern), LABELS, epochs=1, **fit)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
         written = checkpoint.write(path)
         reader = tf.train.load_checkpoint(written)
@@ -110,9 +121,9 @@ def train(pattern, variant):
                       steps_per_execution=4)
         model.optimizer.build(model.trainable_variables)
         tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(written)
-        history = model.fit(INPUTS, LABELS, epochs=1, **fit)
+        history = model.fit(inputs_for(pattern), LABELS, epochs=1, **fit)
     else:
-        history = model.fit(INPUTS, LABELS, epochs=2, **fit)
+        history = model.fit(inputs_for(pattern), LABELS, epochs=2, **fit)
     record["history"] = {key: [float(v) for v in values]
                          for key, values in history.history.items()}
     record["weights"] = [w.ravel().tolist() for w in model.get_weights()]

@@ -36,8 +36,10 @@ RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "d
                 "predicted_s", "prediction_error", "round_low", "round_high",
                 "deferred_gradients", "deferred_mb", "api", "steps_per_execution",
                 "drain_ms", "command", "date")
-#: PS rows: per PS count; Keras rows (api "keras") apart from graph-mode ones (no api)
-_ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps", "api")
+#: PS rows: per PS count; Keras rows (api "keras") apart from graph-mode ones (no api),
+#: and per steps_per_execution
+_ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps", "api",
+            "steps_per_execution")
 
 
 def _row_key(row: dict) -> tuple:
