@@ -230,7 +230,7 @@ def summary_line() -> str:
     deferred = [decision["deferred"] for decision in cross_step if decision.get("deferred")]
     if deferred:
         parts.append(f"cross-step overlap: {sum(deferred)} gradients of {len(deferred)} "
-                     "train steps reduced under the next step's forward pass")
+                     "train graphs reduced under the next step's forward pass")
     elif cross_step:
         parts.append("cross-step overlap deferred nothing "
                      f"({cross_step[-1].get('reason', 'no reason given')})")

@@ -11,10 +11,11 @@ through::
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1)), ...)
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
 
-Cross-step overlap (:mod:`tfoverlap.horovod.keras_deferred`, on by default where Caramel's
-plan predicts a gain) needs ``compile(steps_per_execution=N)`` with N > 1: the reductions
-of a step's last gradients then run under the next step's forward pass within each call,
-and the call ends with the weights exactly as plain Horovod's.
+Cross-step overlap (:mod:`tfoverlap.horovod.keras_deferred`) is off by default here (it
+measured no gain yet); ``tfoverlap.horovod.configure(cross_step=True)`` turns it on. It
+needs ``compile(steps_per_execution=N)`` with N > 1: the reductions of a step's last
+gradients then run under the next step's forward pass within each call, and the call ends
+with the weights exactly as plain Horovod's.
 """
 from __future__ import annotations
 
