@@ -143,4 +143,9 @@ for pattern in patterns:
             result[pattern][variant] = train(pattern, variant)
         except Exception as error:  # noqa: BLE001 - reported to the test
             result[pattern][variant] = {"error": f"{type(error).__name__}: {error}"}
-print(json.dumps(result), flush=True)
+RECORD = json.dumps(result)
+if os.environ.get("CROSS_STEP_RECORDS"):   # a file: the launcher's forwarding of a long
+    with open(os.path.join(os.environ["CROSS_STEP_RECORDS"], f"rank-{RANK}.json"),
+              "w") as stream:              # last line is not relied on
+        stream.write(RECORD)
+print(RECORD, flush=True)
