@@ -88,8 +88,12 @@ def test_bad_benchmark_options_are_one_line_errors(capsys):
     assert ps.main(["--ps", "2", "--variants", "default,tf_recv_scheduling"]) == 2
     assert ps.main(["--emulate", "v100", "--variants", "default,replay"]) == 2
     assert ps.main(["--emulate", "t1000"]) == 2
+    from tfoverlap.bench import ps_strategy
+    assert ps_strategy.main(["--models", "resnet50", "--variants", "default,tac"]) == 2
+    assert ps_strategy.main(["--models", "seq32"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 7 and all(line.startswith("tfoverlap bench: ") for line in errors)
+    assert len(errors) == 9 and all(line.startswith("tfoverlap bench: ") for line in errors)
+    assert "TAC needs a profile" in errors[7] and "not seq32" in errors[8]
 
 
 def test_the_colocated_layout_takes_a_ps_task_per_worker(capsys):
@@ -446,3 +450,47 @@ def test_csv_rows_may_carry_fields_the_first_row_lacks(tmp_path):
     with open(path) as stream:
         rows = list(csv.DictReader(stream))
     assert rows[0]["deferred_gradients"] == "" and rows[1]["deferred_gradients"] == "152"
+
+
+def test_a_ps_strategy_benchmark_sees_the_planned_order_on_the_ps_tasks(tmp_path):
+    """The TF2 job (loopback): a coordinator schedules a Keras model's step on 2 workers
+    with their variables on 2 PS tasks, every variant in turns; the profiler captures on
+    the PS tasks show TensorFlow's own read order far from TicTac's plan, and the serial
+    plan (every read gated on the one before) followed exactly in every traced step."""
+    from tfoverlap.bench import ps_strategy
+    config = ps.Configuration("mobilenet_v2", training=True, batch=8, bandwidth=None,
+                              num_ps=2, num_workers=2, layout="colocated", image_size=32)
+    result = ps_strategy.run_configuration(config, ("default", "tic_serial"), rounds=2,
+                                           steps=1, traces=2, workdir=str(tmp_path / "work"),
+                                           timeout=300, loopback=True)
+    passes = result["passes"]["tic_serial"]
+    assert passes["transfers"] > 100 and passes["ordering_edges"] > 0.95 * passes["transfers"]
+    assert result["passes"]["default"]["transfers"] == 0      # no TfOverlap ordering there
+    (planned,) = result["planned"]["tic_serial"].values()
+    held = {task: {name for step in steps for name in step}
+            for task, steps in result["traces"]["tic_serial"]["orders"].items()}
+    # Each PS task reads its own variables, the two together every read that was planned.
+    assert sorted(held) == ["ps0", "ps1"] and not held["ps0"] & held["ps1"]
+    assert held["ps0"] | held["ps1"] == set(planned)
+    rows = ps_strategy.summarize(result)
+    assert [(row["variant"], row["api"], row["traced_steps"]) for row in rows] == [
+        ("default", "ps_strategy", 2), ("tic_serial", "ps_strategy", 2)]
+    assert rows[1]["order_concordance"] == 1.0
+    assert rows[0]["order_concordance"] < 0.9
+    for row in rows:
+        assert row["steps"] == 2 and row["median_s"] > 0
+        assert row["comm_s"] > 0 and row["comp_s"] > 0
+    memory = result["memory"]
+    assert len(memory["ps"]) == len(memory["worker"]) == 2
+    table = report.markdown_table(rows)
+    assert "| tic_serial |" in table and "1.00 of pairs as planned" in table
+
+
+def test_order_concordance_counts_read_pairs_in_the_planned_order():
+    from tfoverlap.bench.ps_strategy import order_concordance
+    planned = ["a", "b", "c", "d"]
+    assert order_concordance({"ps0": [["a", "c"], ["c", "a"]], "ps1": [["b", "d"]]},
+                             planned) == 1.0
+    assert order_concordance({"ps0": [["d", "c", "b", "a"]]}, planned) == 0.0
+    assert order_concordance({"ps0": [["b", "a", "c", "d"]]}, planned) == pytest.approx(5 / 6)
+    assert math.isnan(order_concordance({"ps0": []}, planned))

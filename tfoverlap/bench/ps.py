@@ -38,8 +38,8 @@ from tfoverlap.options import parse_bandwidth
 from tfoverlap.testbed.cluster import hosts_needed
 
 __all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH",
-           "DEFAULT_BANDWIDTH", "run_configuration", "plot_step_timelines", "link_name",
-           "main"]
+           "DEFAULT_BANDWIDTH", "variant_spec", "run_configuration", "plot_step_timelines",
+           "link_name", "main"]
 
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
 VARIANTS = {
@@ -153,7 +153,8 @@ def _profile_path(workdir: str, task: int) -> str:
     return os.path.join(workdir, f"tac-profile-worker{task}.json")
 
 
-def _variant_spec(name: str, workdir: str, task: int, config: Configuration) -> dict:
+def variant_spec(name: str, workdir: str, task: int, config: Configuration) -> dict:
+    """How variant ``name`` is configured on worker ``task`` (see :data:`VARIANTS`)."""
     spec = copy.deepcopy(VARIANTS[name])
     if spec.get("tfoverlap", {}).get("schedule") == "tac":  # TAC's profile, per worker
         spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
@@ -191,7 +192,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         for task in range(config.num_workers):
             worker_config = dataclasses.asdict(config)
             worker_config.update(spec=cluster.spec, task=task, dilation=dilation, variants={
-                name: _variant_spec(name, workdir, task, config) for name in variants})
+                name: variant_spec(name, workdir, task, config) for name in variants})
             log_path = os.path.join(workdir, f"worker{task}.log")
             with open(log_path, "w") as log:
                 process = cluster.spawn_worker(
@@ -390,13 +391,18 @@ def _parse_models(text: str) -> list[tuple[str, bool]]:
     return chosen
 
 
-def main(argv=None) -> int:
+def main(argv=None, api=None) -> int:
+    """The command line of the TF1 benchmark; with ``api`` (a module with ``VARIANTS``,
+    ``DEFAULT_VARIANTS``, ``check``, ``run_configuration`` and ``summarize``, as
+    :mod:`tfoverlap.bench.ps_strategy`), the same command for another API's job."""
     parser = argparse.ArgumentParser(
-        prog="python -m tfoverlap.bench.ps", description=__doc__.splitlines()[0])
+        prog="python -m " + (__spec__ if api is None else api.__spec__).name,
+        description=(__doc__ if api is None else api.__doc__).splitlines()[0])
     parser.add_argument("--models", default="seq32,par32,resnet50,inception_v3,vgg16",
                         help="comma-separated; model[:training|:inference] (default both)")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--variants",
+                        help="comma-separated, from "
+                             f"{', '.join(VARIANTS if api is None else api.VARIANTS)}")
     parser.add_argument("--ps", type=int,
                         help="PS tasks (default: 1, colocated: one per worker)")
     parser.add_argument("--workers", type=int, default=2)
@@ -423,7 +429,10 @@ def main(argv=None) -> int:
                        + [str(a) for a in (sys.argv[1:] if argv is None else argv)])
     try:
         configurations = _parse_models(args.models)
-        variants = [v.strip() for v in args.variants.split(",")]
+        variants = ([v.strip() for v in args.variants.split(",")] if args.variants else
+                    list(DEFAULT_VARIANTS if api is None else api.DEFAULT_VARIANTS))
+        if api is not None:
+            api.check(sorted({model for model, _ in configurations}), variants)
         unshaped = args.bandwidth == "unshaped"
         bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth and not unshaped else None
         if args.ps is None:
@@ -456,12 +465,19 @@ def main(argv=None) -> int:
                                num_ps=args.ps, num_workers=args.workers, layout=args.layout,
                                emulate=args.emulate, dilation=dilation)
         workdir = os.path.join(args.out, "work", f"{model}-{config.mode}")
-        result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
-                                   traces=args.traces, workdir=workdir)
-        results.append(result)
-        rows.extend(summarize(result))
-        plot_step_timelines(config, result,
-                            os.path.join(args.out, f"timeline-{model}-{config.mode}.png"))
+        if api is not None:
+            result = api.run_configuration(config, variants, rounds=args.rounds,
+                                                   steps=args.steps, traces=args.traces,
+                                                   workdir=workdir)
+            results.append(result)
+            rows.extend(api.summarize(result))
+        else:
+            result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
+                                       traces=args.traces, workdir=workdir)
+            results.append(result)
+            rows.extend(summarize(result))
+            plot_step_timelines(config, result,
+                                os.path.join(args.out, f"timeline-{model}-{config.mode}.png"))
         # Written after every configuration, so a long run that is stopped keeps its results.
         report.write_csv(rows, os.path.join(args.out, "results.csv"))
         with open(os.path.join(args.out, "results.json"), "w") as stream:

@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 
-__all__ = ["ANSWER", "main"]
+__all__ = ["ANSWER", "answer_commands", "main"]
 
 ANSWER = "tfoverlap-bench "
 
@@ -208,23 +208,30 @@ class Worker:
         return {"times": self.timed(session, fetch, command["steps"])}
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    worker = Worker(json.loads(argv[0]))
-    print(ANSWER + json.dumps({"ready": True, "nodes": len(worker.model.graph.as_graph_def().node),
-                               "variables": len(worker.model.variables),
-                               "parameter_bytes": worker.model.parameter_bytes}), flush=True)
+def answer_commands(handler, ready: dict) -> int:
+    """Prints ``ready``, then answers the driver's commands (one JSON object per line on
+    stdin, ``{"cmd": name, ...}``) with ``handler``'s method of that name until ``quit``."""
+    print(ANSWER + json.dumps(ready), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if command["cmd"] == "quit":
             break
         try:
-            answer = getattr(worker, command["cmd"])(command)
+            answer = getattr(handler, command["cmd"])(command)
         except Exception as error:  # reported to the driver, which stops the run
             answer = {"error": f"{type(error).__name__}: {error}",
                       "traceback": traceback.format_exc(limit=5)}
         print(ANSWER + json.dumps(answer), flush=True)
     return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    worker = Worker(json.loads(argv[0]))
+    return answer_commands(worker, {
+        "ready": True, "nodes": len(worker.model.graph.as_graph_def().node),
+        "variables": len(worker.model.variables),
+        "parameter_bytes": worker.model.parameter_bytes})
 
 
 if __name__ == "__main__":

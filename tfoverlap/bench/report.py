@@ -35,9 +35,9 @@ RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "d
                 "emulated", "dilation", "host_busy", "worker_cpu_share", "breakdown",
                 "predicted_s", "prediction_error", "round_low", "round_high",
                 "deferred_gradients", "deferred_mb", "api", "steps_per_execution",
-                "drain_ms", "command", "date")
-#: PS rows: per PS count; Keras rows (api "keras") apart from graph-mode ones (no api),
-#: and per steps_per_execution
+                "drain_ms", "order_concordance", "command", "date")
+#: PS rows: per PS count; Keras rows (api "keras") and TF2 PS rows (api "ps_strategy")
+#: apart from graph-mode ones (no api), and per steps_per_execution
 _ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps", "api",
             "steps_per_execution")
 
@@ -98,9 +98,20 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {row['variant']} | {row['median_s']:.3f} ({row['p10_s']:.3f}-{row['p90_s']:.3f}) "
             f"| {row['samples_per_s']:.1f} | {speedup} | "
             f"{row['comm_s']:.2f}/{row['comp_s']:.2f} = {row['comm_over_comp']:.2f} | "
-            f"{_number(row['efficiency'])} | {100 * row['straggler']:.1f}% | "
-            f"{row['distinct_orders']} ({100 * row['top_order_share']:.0f}% top) |")
+            f"{_number(row['efficiency'])} | {_straggler(row)} | {_orders(row)} |")
     return "\n".join(lines) + "\n"
+
+
+def _straggler(row: dict) -> str:
+    return f"{100 * row['straggler']:.1f}%" if "straggler" in row else "-"
+
+
+def _orders(row: dict) -> str:
+    """Distinct transfer orders of the traced steps; TF2 rows, traced on the PS tasks:
+    the share of read pairs in TicTac's planned order."""
+    if "distinct_orders" in row:
+        return f"{row['distinct_orders']} ({100 * row['top_order_share']:.0f}% top)"
+    return f"{_number(row.get('order_concordance', float('nan')))} of pairs as planned"
 
 
 def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
