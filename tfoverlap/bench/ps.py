@@ -38,8 +38,8 @@ from tfoverlap.options import parse_bandwidth
 from tfoverlap.testbed.cluster import hosts_needed
 
 __all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH",
-           "DEFAULT_BANDWIDTH", "variant_spec", "run_configuration", "plot_step_timelines",
-           "link_name", "main"]
+           "DEFAULT_BANDWIDTH", "variant_spec", "run_configuration", "summarize", "timing_row",
+           "plot_step_timelines", "link_name", "main"]
 
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
 VARIANTS = {
@@ -278,49 +278,60 @@ def _choose_dilation(workers, network, config: Configuration, dilation: float,
         dilation = following
 
 
-def summarize(result: dict) -> list[dict]:
-    """One row per variant: the metrics of :mod:`tfoverlap.bench.metrics`."""
+def timing_row(result: dict, name: str, rounds: int) -> dict:
+    """Variant ``name``'s row of a run's result: its configuration, its step times (in
+    emulated time where emulated) against the default's, by round too, comm/comp, E and
+    what the pass did; the part of a row that the TF1 and the TF2 jobs share."""
     from tfoverlap.bench import metrics
     config = result["config"]
     scale = 1.0 / result.get("dilation", 1.0)     # emulated runs: wall time -> emulated time
     comm = statistics.median(result["comm"]) * scale
     comp = statistics.median(result["comp"]) * scale
     baseline = [t * scale for t in result["times"]["default"]]
+    values = [t * scale for t in result["times"][name]]
+    iteration = metrics.spread(values)
+    ratio, low, high = metrics.speedup(baseline, values)
+    by_round = metrics.round_ratios(baseline, values, rounds)
+    passes = result["passes"].get(name, {})
+    return {
+        "model": config["model"], "mode": "training" if config["training"] else "inference",
+        "batch": config["batch"], "link": link_name(config["bandwidth"]),
+        "ps": config["num_ps"], "layout": config["layout"],
+        "workers": config["num_workers"], "variant": name,
+        "median_s": iteration.median, "p10_s": iteration.p10, "p90_s": iteration.p90,
+        "steps": iteration.count,
+        "samples_per_s": config["batch"] * config["num_workers"] / iteration.median,
+        "speedup": ratio, "ci_low": low, "ci_high": high,
+        "round_low": min(by_round), "round_high": max(by_round),
+        "comm_s": comm, "comp_s": comp, "comm_over_comp": comm / comp,
+        "efficiency": metrics.efficiency(iteration.median, comm, comp),
+        "emulated": config.get("emulate", ""), "dilation": result.get("dilation", 1.0),
+        "host_busy": result.get("host_busy", float("nan")),
+        "transfers": passes.get("transfers", ""),
+        "ordering_edges": passes.get("ordering_edges", ""),
+        "gates": passes.get("gates", ""),
+        "declined": bool(passes.get("declined")),
+    }
+
+
+def summarize(result: dict) -> list[dict]:
+    """One row per variant: the metrics of :mod:`tfoverlap.bench.metrics`."""
+    from tfoverlap.bench import metrics
+    scale = 1.0 / result.get("dilation", 1.0)
     rows = []
     for name, wall_times in result["times"].items():
-        values = [t * scale for t in wall_times]
-        iteration = metrics.spread(values)
         cpu = result.get("cpu", {}).get(name)
-        ratio, low, high = metrics.speedup(baseline, values)
-        by_round = metrics.round_ratios(baseline, values, len(result["blocks"][name]))
         per_worker = [metrics.order_consistency([traced[w]["order"]
                                                  for traced in result["traces"][name]])
-                      for w in range(config["num_workers"])]
-        distinct = max(d for d, _ in per_worker)
-        share = min(s for _, s in per_worker)
+                      for w in range(result["config"]["num_workers"])]
         rows.append({
-            "model": config["model"], "mode": "training" if config["training"] else "inference",
-            "batch": config["batch"], "link": link_name(config["bandwidth"]),
-            "ps": config["num_ps"], "layout": config["layout"],
-            "workers": config["num_workers"], "variant": name,
-            "median_s": iteration.median, "p10_s": iteration.p10, "p90_s": iteration.p90,
-            "steps": iteration.count,
-            "samples_per_s": config["batch"] * config["num_workers"] / iteration.median,
-            "speedup": ratio, "ci_low": low, "ci_high": high,
-            "round_low": min(by_round), "round_high": max(by_round),
-            "comm_s": comm, "comp_s": comp, "comm_over_comp": comm / comp,
-            "efficiency": metrics.efficiency(iteration.median, comm, comp),
+            **timing_row(result, name, len(result["blocks"][name])),
             "straggler": metrics.straggler_effect(result["blocks"][name]),
-            "distinct_orders": distinct, "top_order_share": share,
+            "distinct_orders": max(d for d, _ in per_worker),
+            "top_order_share": min(s for _, s in per_worker),
             "transfer_span_s": _transfer_span(result["traces"][name]) * scale,
-            "emulated": config.get("emulate", ""), "dilation": result.get("dilation", 1.0),
-            "host_busy": result.get("host_busy", float("nan")),
             "worker_cpu_share": (statistics.median(cpu) / statistics.median(wall_times)
                                  if cpu else float("nan")),
-            "transfers": result["passes"].get(name, {}).get("transfers", ""),
-            "ordering_edges": result["passes"].get(name, {}).get("ordering_edges", ""),
-            "gates": result["passes"].get(name, {}).get("gates", ""),
-            "declined": bool(result["passes"].get(name, {}).get("declined")),
         })
     return rows
 

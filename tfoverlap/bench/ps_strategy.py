@@ -223,41 +223,15 @@ def summarize(result: dict) -> list[dict]:
     """One row per variant, shaped like :func:`tfoverlap.bench.ps.summarize`'s, with
     ``api`` "ps_strategy" and how closely the traced steps' PS reads followed TicTac's
     planned order (``order_concordance``)."""
-    from tfoverlap.bench import metrics
-    from tfoverlap.bench.ps import link_name
-    config = result["config"]
-    scale = 1.0 / result.get("dilation", 1.0)
-    comm = statistics.median(result["comm"]) * scale
-    comp = statistics.median(result["comp"]) * scale
-    baseline = [t * scale for t in result["times"]["default"]]
+    from tfoverlap.bench.ps import timing_row
     rows = []
     for name, wall_times in result["times"].items():
-        values = [t * scale for t in wall_times]
-        iteration = metrics.spread(values)
-        ratio, low, high = metrics.speedup(baseline, values)
-        by_round = metrics.round_ratios(baseline, values, len(values))
-        passes = result["passes"].get(name, {})
         planned = next(iter((result["planned"].get(name) or {}).values()), None)
         reference = planned or next(
             (order for orders in result["planned"].values() for order in orders.values()), [])
         observed = result["traces"][name].get("orders", {})
         rows.append({
-            "model": config["model"], "mode": "training" if config["training"] else "inference",
-            "api": "ps_strategy", "batch": config["batch"],
-            "link": link_name(config["bandwidth"]), "ps": config["num_ps"],
-            "layout": config["layout"], "workers": config["num_workers"], "variant": name,
-            "median_s": iteration.median, "p10_s": iteration.p10, "p90_s": iteration.p90,
-            "steps": iteration.count,
-            "samples_per_s": config["batch"] * config["num_workers"] / iteration.median,
-            "speedup": ratio, "ci_low": low, "ci_high": high,
-            "round_low": min(by_round), "round_high": max(by_round),
-            "comm_s": comm, "comp_s": comp, "comm_over_comp": comm / comp,
-            "efficiency": metrics.efficiency(iteration.median, comm, comp),
-            "emulated": config.get("emulate", ""), "dilation": result.get("dilation", 1.0),
-            "host_busy": result.get("host_busy", float("nan")),
-            "transfers": passes.get("transfers", ""),
-            "ordering_edges": passes.get("ordering_edges", ""),
-            "declined": bool(passes.get("declined")),
+            **timing_row(result, name, len(wall_times)), "api": "ps_strategy",
             "traced_steps": min((len(steps) for steps in observed.values()), default=0),
             # The default's against TIC's plan: how close TensorFlow's own order comes to it.
             "order_concordance": order_concordance(observed, reference) if reference
