@@ -390,3 +390,50 @@ def test_with_two_ps_tasks_the_busiest_ps_link_bounds_the_transfers(monkeypatch)
         comm[workers] = report.passes[0].summary["comm_ms"]
     assert comm[2] == pytest.approx(comm[1], rel=1e-3)
     assert comm[4] == pytest.approx(2 * comm[1], rel=1e-3)
+
+
+_PS = "/job:ps/replica:0/task:0/device:CPU:0"
+_WORKER = "/job:worker/replica:0/task:0/device:CPU:0"
+
+
+def _tf2_update_graph(update_op):
+    """What Grappler sees of a TF2 ParameterServerStrategy step's update, as Keras' SGD
+    with momentum builds it: the variable is a resource argument of the function (shape
+    in its handle data), the worker's gradient has no static shape, and on the PS it
+    passes Neg and Mul before ``update_op`` writes the variable."""
+    from google.protobuf import text_format
+    text = f"""
+    node {{ name: "kernel" op: "_Arg" device: "{_PS}"
+           attr {{ key: "T" value {{ type: DT_RESOURCE }} }}
+           attr {{ key: "index" value {{ i: 0 }} }}
+           attr {{ key: "_handle_dtypes" value {{ list {{ type: DT_FLOAT }} }} }}
+           attr {{ key: "_handle_shapes" value {{ list {{ shape {{ dim {{ size: 256 }}
+                                                                  dim {{ size: 64 }} }} }} }} }} }}
+    node {{ name: "gradient" op: "Placeholder" device: "{_WORKER}"
+           attr {{ key: "dtype" value {{ type: DT_FLOAT }} }} }}
+    node {{ name: "negative" op: "Neg" input: "gradient" device: "{_PS}"
+           attr {{ key: "T" value {{ type: DT_FLOAT }} }} }}
+    node {{ name: "rate" op: "Const" device: "{_PS}"
+           attr {{ key: "dtype" value {{ type: DT_FLOAT }} }}
+           attr {{ key: "value" value {{ tensor {{ dtype: DT_FLOAT tensor_shape {{ }}
+                                                 float_val: 0.1 }} }} }} }}
+    node {{ name: "step" op: "Mul" input: "negative" input: "rate" device: "{_PS}"
+           attr {{ key: "T" value {{ type: DT_FLOAT }} }} }}
+    node {{ name: "update" op: "{update_op}" input: "kernel" input: "step" device: "{_PS}"
+           attr {{ key: "dtype" value {{ type: DT_FLOAT }} }} }}
+    """
+    return text_format.Parse(text, tf.compat.v1.GraphDef())
+
+
+def test_a_tf2_gradient_pushed_through_element_wise_ops_counts_as_its_variables_size():
+    """TicTac's push estimate in a TF2 step: the gradient into ``Neg`` on the PS carries
+    as many bytes as the variable that the update two ops later writes. Where nothing
+    within reach writes a variable, its size stays unknown."""
+    from tfoverlap.graph.model import edge_bytes
+    graph_def = _tf2_update_graph("AssignAddVariableOp")
+    model = GraphModel.from_graph_def(graph_def)
+    gradient, negative = model.index["gradient"], model.index["negative"]
+    assert edge_bytes(graph_def, model, gradient, negative) == 256 * 64 * 4
+    graph_def = _tf2_update_graph("Identity")
+    model = GraphModel.from_graph_def(graph_def)
+    assert edge_bytes(graph_def, model, gradient, negative) is None

@@ -72,6 +72,7 @@ class GraphModel:
     frame_conflicts: list[int] = dataclasses.field(default_factory=list)
     _predecessors: list | None = dataclasses.field(default=None, repr=False, compare=False)
     _successors: list | None = dataclasses.field(default=None, repr=False, compare=False)
+    _data_consumers: list | None = dataclasses.field(default=None, repr=False, compare=False)
     _order: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -183,6 +184,17 @@ class GraphModel:
             self._successors = succs
         return self._successors
 
+    def data_consumers(self) -> list[list[int]]:
+        """The nodes that take a data input from each node (computed once: callers must
+        not modify it)."""
+        if self._data_consumers is None:
+            consumers: list[list[int]] = [[] for _ in self.names]
+            for node in range(self.num_nodes):
+                for producer in dict.fromkeys(p for p, _ in self.data_inputs[node]):
+                    consumers[producer].append(node)
+            self._data_consumers = consumers
+        return self._data_consumers
+
     def topological_order(self) -> list[int]:
         """Kahn's order of all nodes (computed once: callers must not modify it).
 
@@ -283,14 +295,47 @@ def tensor_bytes(graph_def, model: GraphModel, node: int, slot: int = 0) -> int 
     return None
 
 
+#: ops that write the variable of their first input.
+_VARIABLE_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+                              "Assign", "AssignAdd", "AssignSub"})
+#: how many element-wise ops a pushed gradient may pass on the PS before its update.
+_UPDATE_HOPS = 4
+
+
+def _writes_variable(op: str) -> bool:
+    return op in _VARIABLE_WRITES or op.startswith(("Apply", "ResourceApply"))
+
+
+def _is_variable_input(graph_def, model: GraphModel, node: int) -> bool:
+    """A variable, or, in a tf.function's graph, a resource argument (a captured one)."""
+    return is_variable_op(model.ops[node]) or (
+        model.ops[node] == "_Arg" and "_handle_shapes" in graph_def.node[node].attr)
+
+
 def edge_bytes(graph_def, model: GraphModel, producer: int, consumer: int,
                slot: int = 0) -> int | None:
     """Bytes that ``producer``'s output ``slot`` carries to ``consumer``: its static size,
     or for a gradient pushed to an update op whose shape is unknown, the size of the
-    variable that op updates (None if neither is known)."""
+    variable that op updates (None if neither is known). The update op may be the consumer
+    or, as in Keras optimizers' updates (``m.assign(-gradient * lr + m * momentum)``),
+    reached from it through a few ops on the consumer's device."""
     size = tensor_bytes(graph_def, model, producer, slot)
-    if size is None:
-        for source, _ in model.data_inputs[consumer]:
-            if is_variable_op(model.ops[source]):
-                return tensor_bytes(graph_def, model, source)
-    return size
+    if size is not None:
+        return size
+    for source, _ in model.data_inputs[consumer]:
+        if is_variable_op(model.ops[source]):
+            return tensor_bytes(graph_def, model, source)
+    consumers = model.data_consumers()
+    frontier, seen = [consumer], {consumer}
+    for _ in range(_UPDATE_HOPS):
+        following = []
+        for node in frontier:
+            if _writes_variable(model.ops[node]) and model.data_inputs[node]:
+                variable = model.data_inputs[node][0][0]
+                if _is_variable_input(graph_def, model, variable):
+                    return tensor_bytes(graph_def, model, variable)
+            following += [c for c in consumers[node]
+                          if c not in seen and model.devices[c] == model.devices[consumer]]
+        seen.update(following)
+        frontier = following
+    return None
