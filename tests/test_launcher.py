@@ -202,6 +202,10 @@ def test_a_ps_strategy_job_has_its_transfers_ordered_by_the_workers(tmp_path):
     assert stderr.count("optimized by the worker tasks") == 1, stderr[-2000:]
     summary = [line for line in stderr.splitlines() if line.startswith("tfoverlap [")]
     assert len(summary) == 1 and "dispatched 6 ClusterCoordinator closures" in summary[0]
+    # No session starts on a TF2 worker: the coordinator measured the link and gave it.
+    links = {entry["summary"]["link"] for path in glob.glob(str(reports / "*.json"))
+             for entry in json.load(open(path))["passes"] if entry["name"] == "tictac"}
+    assert len(links) == 1 and next(iter(links)).endswith("(given)"), links
 
 
 def _run_under_launcher(code_or_script, options=None, pythonpath=None, cwd=None,

@@ -35,7 +35,8 @@ def _model(args):
     from tfoverlap.testbed.models import KERAS_APPLICATIONS
     tf.keras.utils.set_random_seed(args.seed)
     return getattr(tf.keras.applications, KERAS_APPLICATIONS[args.model])(
-        weights=None, input_shape=(args.image_size, args.image_size, 3), classes=1000)
+        weights=None, input_shape=(args.image_size, args.image_size, 3), classes=1000,
+        classifier_activation=None)     # logits, as the loss is told
 
 
 def _build(variant: str, args, emulation: dict):

@@ -65,7 +65,8 @@ class Coordinator:
         def build(device_scope):
             tf.keras.utils.set_random_seed(config["seed"])
             with device_scope:
-                model = application(weights=None, input_shape=(size, size, 3), classes=1000)
+                model = application(weights=None, input_shape=(size, size, 3), classes=1000,
+                                    classifier_activation=None)     # logits
                 optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
                 if config["training"]:
                     optimizer.build(model.trainable_variables)

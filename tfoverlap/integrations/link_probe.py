@@ -33,6 +33,7 @@ from tfoverlap.log import logger
 from tfoverlap.options import parse_options
 
 __all__ = ["measure_ps_links", "link_from_timings", "link_from_rounds", "install_session_hook",
+           "coordinator_link", "with_link",
            "ImplausibleLink", "PROBE_BYTES", "PROBE_SECONDS", "MAX_PLAUSIBLE_BANDWIDTH"]
 
 #: the largest fetch; the probe sizes its two down to about PROBE_TRANSFER_SECONDS together.
@@ -248,6 +249,13 @@ def _measure_for_session(target, graph, config, seconds: float = PROBE_SECONDS) 
     import tensorflow as tf
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     tasks, worker_device = _placement(graph, specs)
+    _measure_tasks(target, tasks, worker_device, config, seconds)
+
+
+def _measure_tasks(target: str, tasks: list[str], worker_device: str, config,
+                   seconds: float) -> None:
+    """Measures the links from those of ``tasks`` not measured yet to ``worker_device``
+    through ``target``, at most ``seconds``; records every outcome."""
     known = set(measured_links()) | set(link_failures())
     tasks = [task for task in tasks if _link_device(task) not in known]
     if not tasks:
@@ -288,6 +296,62 @@ def _measure_for_session(target, graph, config, seconds: float = PROBE_SECONDS) 
         else:
             record_link_failure(_link_device(task), f"probe {result}")
             _warn_failure(task, result)
+
+
+_coordinator_lock = threading.Lock()
+
+
+def coordinator_link(config, worker_device: str, seconds: float = PROBE_SECONDS
+                     ) -> tuple[float, float] | None:
+    """TF2 ``ParameterServerStrategy``: the link figures (bytes/s, round trip s) for a
+    closure that a ``ClusterCoordinator`` sends to ``worker_device`` under ``config``,
+    or None where the config gives the bandwidth, does not order, or no link could be
+    measured.
+
+    No session starts on a TF2 worker, and the worker's Grappler, which plans the
+    closure's order, cannot measure its links. So the coordinator measures them, once
+    per process, from the first worker it dispatches to, over every PS task of the
+    cluster (a probe session on that worker's own server, as for a TF1 session). The
+    slowest link is the one the pass is given, as TF1's pass takes it
+    (:func:`tfoverlap.planning.tictac.link_figures`)."""
+    specs = _wants_measurement(config)
+    if not specs:
+        return None
+    from tensorflow.python.eager import context
+    server_def = context.get_server_def()
+    if server_def is None:
+        return None
+    addresses = {f"/job:{job.name}/replica:0/task:{index}": address
+                 for job in server_def.cluster.job for index, address in job.tasks.items()}
+    matchers = [DeviceMatcher(spec) for spec in specs]
+    tasks = sorted(task for task in addresses if any(matches(task) for matches in matchers))
+    worker_task = _task_of(worker_device)
+    if not tasks or worker_task not in addresses:
+        return None
+    with _coordinator_lock:
+        _measure_tasks("grpc://" + addresses[worker_task], tasks,
+                       _link_device(worker_task), None, seconds)
+    links = measured_links()
+    measured = [links[_link_device(task)] for task in tasks if _link_device(task) in links]
+    if not measured:
+        return None
+    from tfoverlap.options import DEFAULT_BANDWIDTH
+    bandwidth = min(b for b, _ in measured)
+    if len(measured) < len(tasks):      # an unmeasured link may be the slow one
+        bandwidth = min(bandwidth, DEFAULT_BANDWIDTH)
+    return bandwidth, max(r for _, r in measured)
+
+
+def with_link(config, bandwidth: float, round_trip: float):
+    """A copy of ``config`` whose TfOverlap optimizer is given the link's figures."""
+    from tensorflow.core.protobuf import config_pb2
+    given = config_pb2.ConfigProto()
+    given.CopyFrom(config)
+    for optimizer in given.graph_options.rewrite_options.custom_optimizers:
+        if optimizer.name == OPTIMIZER_NAME:
+            optimizer.parameter_map["bandwidth"].f = bandwidth
+            optimizer.parameter_map["round_trip"].f = round_trip
+    return given
 
 
 def _warn_failure(task: str, reason: str) -> None:

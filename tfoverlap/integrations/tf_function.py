@@ -80,8 +80,12 @@ def carry_config_to_coordinator() -> None:
         scheduled = getattr(self, "_tfoverlap_config", None)
         if scheduled is None or not _names_tfoverlap(scheduled):
             return original_execute(self, worker)
+        from tfoverlap.integrations.link_probe import coordinator_link, with_link
         from tfoverlap.log import warn_once
         warn_once(WORKERS_OPTIMIZE)
+        link = coordinator_link(scheduled, worker.device_name)
+        if link is not None:
+            scheduled = with_link(scheduled, *link)
         with _hook_lock:
             _dispatched += 1
         previous = get_function_config()
