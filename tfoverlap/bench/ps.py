@@ -38,7 +38,8 @@ from tfoverlap.options import parse_bandwidth
 from tfoverlap.testbed.cluster import hosts_needed
 
 __all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH",
-           "DEFAULT_BANDWIDTH", "variant_spec", "run_configuration", "summarize", "timing_row",
+           "DEFAULT_BANDWIDTH", "variant_spec", "run_configuration", "measure_rounds", "summarize",
+           "timing_row",
            "plot_step_timelines", "link_name", "main"]
 
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
@@ -229,22 +230,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
                   "iterations")
         comm = [t for a in workers.ask({"cmd": "comm", "steps": steps}) for t in a["times"]]
         comp = [t for a in workers.ask({"cmd": "comp", "steps": steps}) for t in a["times"]]
-        times = {name: [] for name in variants}
-        cpu = {name: [] for name in variants}
-        blocks = {name: [] for name in variants}
-        before = cpu_sample()
-        for round_index in range(rounds):
-            shift = round_index % len(variants)
-            for name in variants[shift:] + variants[:shift]:
-                answers = workers.ask({"cmd": "steps", "variant": name, "steps": steps})
-                for answer in answers:
-                    times[name].extend(answer["times"])
-                    cpu[name].extend(answer["cpu"])
-                blocks[name].append([sum(a["times"]) / len(a["times"]) for a in answers])
-            summary = ", ".join(f"{name} {statistics.median(values) / dilation:.3f}s"
-                                for name, values in times.items())
-            progress(f"{config.label}: round {round_index + 1}/{rounds}: {summary}")
-        host_busy = busy_fraction(before, cpu_sample())
+        measured = measure_rounds(workers, variants, rounds, steps, config.label, dilation)
         traced = {name: [workers.ask({"cmd": "trace", "variant": name})
                          for _ in range(traces)] for name in variants}
         for channel in channels:
@@ -252,9 +238,34 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         description = network.describe()
     return {"config": dataclasses.asdict(config), "network": description, "graph": graph,
             "workdir": workdir, "fetch": fetch, "dilation": dilation,
-            "calibration": calibration, "host_busy": host_busy, "cpu": cpu, "memory": memory,
-            "passes": passes, "comm": comm, "comp": comp, "times": times, "blocks": blocks,
+            "calibration": calibration, "memory": memory, "passes": passes, "comm": comm,
+            "comp": comp, **measured,
             "traces": traced}
+
+
+def measure_rounds(workers, variants, rounds: int, steps: int, label: str,
+                   dilation: float) -> dict:
+    """The timed blocks: every round runs a block of ``steps`` steps of each variant on
+    every worker (the variants' order rotated by one each round, so slow phases of a noisy
+    machine hit all alike). Returns the step wall times and CPU times per variant, each
+    block's mean per worker (``blocks``), and how busy the host's CPUs were."""
+    times = {name: [] for name in variants}
+    cpu = {name: [] for name in variants}
+    blocks = {name: [] for name in variants}
+    before = cpu_sample()
+    for round_index in range(rounds):
+        shift = round_index % len(variants)
+        for name in variants[shift:] + variants[:shift]:
+            answers = workers.ask({"cmd": "steps", "variant": name, "steps": steps})
+            for answer in answers:
+                times[name].extend(answer["times"])
+                cpu[name].extend(answer["cpu"])
+            blocks[name].append([sum(a["times"]) / len(a["times"]) for a in answers])
+        summary = ", ".join(f"{name} {statistics.median(values) / dilation:.3f}s"
+                            for name, values in times.items())
+        progress(f"{label}: round {round_index + 1}/{rounds}: {summary}")
+    return {"times": times, "cpu": cpu, "blocks": blocks,
+            "host_busy": busy_fraction(before, cpu_sample())}
 
 
 def _choose_dilation(workers, network, config: Configuration, dilation: float,

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 
-from tfoverlap.bench.dilation import FIRST_DILATION, busy_fraction, cpu_sample
+from tfoverlap.bench.dilation import FIRST_DILATION
 from tfoverlap.bench.report import progress
 
 __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "check", "main", "run_configuration", "summarize", "observed_read_orders",
@@ -60,7 +60,8 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
     """Runs one configuration (a :class:`tfoverlap.bench.ps.Configuration`) as a TF2 job
     on a fresh emulated network (``loopback``: on plain loopback, the links unshaped);
     returns the raw measurements."""
-    from tfoverlap.bench.ps import _Workers, _choose_dilation, memory_summary, variant_spec
+    from tfoverlap.bench.ps import (_Workers, _choose_dilation, measure_rounds,
+                                    memory_summary, variant_spec)
     from tfoverlap.testbed.cluster import PsCluster, hosts_needed
     from tfoverlap.testbed.network import EmulatedNetwork, LineChannel, free_ports
     variants = tuple(variants)
@@ -109,23 +110,11 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
                  "iterations")
         comm = chief.ask({"cmd": "comm", "steps": steps})[0]["times"]
         comp = chief.ask({"cmd": "comp", "steps": steps})[0]["times"]
-        times = {name: [] for name in variants}
-        cpu = {name: [] for name in variants}
-        before = cpu_sample()
-        for round_index in range(rounds):
-            shift = round_index % len(variants)
-            for name in variants[shift:] + variants[:shift]:
-                answer = chief.ask({"cmd": "steps", "variant": name, "steps": steps})[0]
-                times[name].extend(answer["times"])
-                cpu[name].extend(answer["cpu"])
-            summary = ", ".join(f"{name} {statistics.median(values) / dilation:.3f}s"
-                                for name, values in times.items())
-            progress(f"{config.label}: round {round_index + 1}/{rounds}: {summary}")
-        host_busy = busy_fraction(before, cpu_sample())
+        measured = measure_rounds(chief, variants, rounds, steps, config.label, dilation)
         traced = {}
         for name in variants:
             logdir = os.path.join(workdir, "capture", name)
-            capture_s = 4.0 + 3.0 * traces * statistics.median(times[name])
+            capture_s = 4.0 + 3.0 * traces * statistics.median(measured["times"][name])
             answers = [chief.ask({"cmd": "trace", "variant": name, "steps": traces,
                                   "task": task, "logdir": logdir, "capture_s": capture_s})[0]
                        for task in range(config.num_ps)]
@@ -149,8 +138,8 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
                                                       cluster.spec["ps"], reads)
     return {"config": dataclasses.asdict(config), "api": "ps_strategy",
             "network": description, "graph": graph, "workdir": workdir,
-            "dilation": dilation, "calibration": calibration, "host_busy": host_busy,
-            "cpu": cpu, "memory": memory, "comm": comm, "comp": comp, "times": times,
+            "dilation": dilation, "calibration": calibration, "memory": memory,
+            "comm": comm, "comp": comp, **measured,
             "passes": {name: pass_summary(_report_dir(workdir, name)) for name in variants},
             "planned": planned, "traces": traced}
 
