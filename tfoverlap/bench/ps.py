@@ -38,9 +38,9 @@ from tfoverlap.options import parse_bandwidth
 from tfoverlap.testbed.cluster import hosts_needed
 
 __all__ = ["Configuration", "VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_BATCH",
-           "DEFAULT_BANDWIDTH", "variant_spec", "run_configuration", "measure_rounds", "summarize",
-           "timing_row",
-           "plot_step_timelines", "link_name", "main"]
+           "DEFAULT_BANDWIDTH", "Workers", "variant_spec", "run_configuration", "choose_dilation",
+           "measure_rounds", "summarize", "timing_row", "plot_step_timelines", "link_name",
+           "main"]
 
 #: name -> how its sessions are configured (see ps_worker.Worker.session_config).
 VARIANTS = {
@@ -116,8 +116,9 @@ class Configuration:
         return self.num_workers
 
 
-class _Workers:
-    """The benchmark worker processes of one configuration, driven in lock step."""
+class Workers:
+    """The benchmark worker processes of one configuration (or the TF2 job's coordinator),
+    driven in lock step over :mod:`tfoverlap.bench.ps_worker`'s line protocol."""
 
     def __init__(self, channels, timeout: float):
         self.channels, self.timeout = channels, timeout
@@ -202,13 +203,13 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                     text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
             channels.append(LineChannel(process, f"worker {task} (log: {log_path})"))
-        workers = _Workers(channels, timeout)
+        workers = Workers(channels, timeout)
         graph = workers.ready()[0]
         workers.ask_each([{"cmd": "init"}] + [None] * (config.num_workers - 1))
         ps_initialized = cluster.resident_memory()["ps"]
         calibration = []
         if config.emulate and config.dilation is None:
-            dilation, calibration = _choose_dilation(workers, network, config, dilation, steps)
+            dilation, calibration = choose_dilation(workers, network, config, dilation, steps)
         workers.ask({"cmd": "warmup", "variant": "default"})
         fetch = workers.ask_each([{"cmd": "save_graph",
                                    "path": os.path.join(workdir, "graph.pb")}]
@@ -268,7 +269,7 @@ def measure_rounds(workers, variants, rounds: int, steps: int, label: str,
             "host_busy": busy_fraction(before, cpu_sample())}
 
 
-def _choose_dilation(workers, network, config: Configuration, dilation: float,
+def choose_dilation(workers, network, config: Configuration, dilation: float,
                      steps: int) -> tuple[float, list]:
     """Raises the dilation from ``dilation`` until a few default steps leave the host's
     CPUs at most BUSY_LIMIT busy; returns it and every (dilation, busy share) tried."""

@@ -3,17 +3,19 @@
     sudo .venv/bin/python -m tfoverlap.bench.ps_strategy --models resnet50:training \
         --emulate v100 --link 25Gbit --workers 4 --layout colocated
 
-takes the options of :mod:`tfoverlap.bench.ps` and runs, on the same emulated network and layout as the TF1
-rows, the way TF2 trains with PS tasks: PS and worker tasks are plain
+takes the options of :mod:`tfoverlap.bench.ps` and runs, on the same emulated network and
+layout as the TF1 rows, the way TF2 trains with PS tasks: PS and worker tasks are plain
 ``tf.distribute.Server`` processes (with tfoverlap loaded, as ``tfoverlap run`` would have
 it), and one coordinator (:mod:`tfoverlap.bench.ps_strategy_chief`, on the launcher host,
 off the shaped links) schedules a Keras model's training step on them. The variants take
 turns block by block as in :mod:`tfoverlap.bench.ps`; a block is ``steps`` steps of every
 worker, scheduled at once, and its time divided by ``steps`` is one sample.
 
-Traced steps run one at a time while the profiler captures every PS task: the order in
-which each PS task read the variables is the *observed* order, compared with the order
-TicTac planned (from the reports the workers write).
+Traced steps run one at a time while the profiler captures one PS task after another: the
+order in which each PS task read the variables is the *observed* order, compared with the
+order TicTac planned (from the reports the workers write). Worker 0 is captured too, in a
+block like the timed ones, for its side of the step (when its pulls arrived, when it
+computed); that capture is kept in the work directory for reading, not summarized.
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ import sys
 from tfoverlap.bench.dilation import FIRST_DILATION
 from tfoverlap.bench.report import progress
 
-__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "check", "main", "run_configuration", "summarize", "observed_read_orders",
-           "order_concordance", "planned_orders", "pass_summary"]
+__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "check", "main", "run_configuration", "summarize",
+           "observed_read_orders", "order_concordance", "planned_orders", "pass_summary"]
 
 #: the variants of bench.ps that a TF2 job can run: TAC needs a profile of the graph,
 #: which the coordinator never sees, and recv scheduling is a session option.
@@ -60,8 +62,8 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
     """Runs one configuration (a :class:`tfoverlap.bench.ps.Configuration`) as a TF2 job
     on a fresh emulated network (``loopback``: on plain loopback, the links unshaped);
     returns the raw measurements."""
-    from tfoverlap.bench.ps import (_Workers, _choose_dilation, measure_rounds,
-                                    memory_summary, variant_spec)
+    from tfoverlap.bench.ps import (Workers, choose_dilation, measure_rounds, memory_summary,
+                                    variant_spec)
     from tfoverlap.testbed.cluster import PsCluster, hosts_needed
     from tfoverlap.testbed.network import EmulatedNetwork, LineChannel, free_ports
     variants = tuple(variants)
@@ -95,12 +97,12 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
                  json.dumps(chief_config)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        chief = _Workers([LineChannel(process, f"the coordinator (log: {log_path})")], timeout)
+        chief = Workers([LineChannel(process, f"the coordinator (log: {log_path})")], timeout)
         graph = chief.ready()[0]      # the variables are on the PS tasks, initialized
         initialized = cluster.resident_memory()["ps"]
         calibration = []
         if config.emulate and config.dilation is None:
-            dilation, calibration = _choose_dilation(chief, network, config, dilation, steps)
+            dilation, calibration = choose_dilation(chief, network, config, dilation, steps)
         for name in variants:
             chief.ask({"cmd": "warmup", "variant": name})
         memory = {"ps_started": started, "ps_initialized": initialized,

@@ -44,6 +44,9 @@ __all__ = ["Coordinator", "main"]
 
 
 class Coordinator:
+    """The chief of the TF2 job: the model, its step functions per variant and dilation,
+    and the driver's commands (see the module docstring)."""
+
     def __init__(self, config: dict):
         import tensorflow as tf
 
