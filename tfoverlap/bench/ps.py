@@ -528,8 +528,7 @@ def main(argv=None, api=None) -> int:
                   f"{result['host_busy']:.0%} busy while measuring")
     print(report.markdown_table(rows))
     print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
-          "rows.json; plots: "
-          "speedups.png, timeline-*.png")
+          "rows.json; plots: speedups.png" + (", timeline-*.png" if api is None else ""))
     return 0
 
 

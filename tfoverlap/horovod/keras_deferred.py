@@ -20,9 +20,10 @@ runs N steps in one ``tf.function``:
 
 What to defer is planned by Caramel from a trace of the model's ``train_step`` (the same
 plan as graph mode, the drain charged to the steps of a call). ``cross_step=True`` defers;
-"auto" does not here, since at 8 emulated ranks this measured no gain over Horovod. Outside what is known to be exact (a
-gradient changed between the reduction and the update, loss scaling, moving averages,
-XLA, eager runs, one step per call), nothing is deferred and one line says why.
+"auto" does not here, since at 8 emulated ranks this measured no gain over Horovod.
+Outside what is known to be exact (a gradient changed between the reduction and the
+update, loss scaling, moving averages, XLA, eager runs, one step per call), nothing is
+deferred and one line says why.
 """
 from __future__ import annotations
 

@@ -299,6 +299,7 @@ def _measure_tasks(target: str, tasks: list[str], worker_device: str, config,
 
 
 _coordinator_lock = threading.Lock()
+_coordinator_figures: dict[tuple, tuple[float, float] | None] = {}
 
 
 def coordinator_link(config, worker_device: str, seconds: float = PROBE_SECONDS
@@ -313,10 +314,22 @@ def coordinator_link(config, worker_device: str, seconds: float = PROBE_SECONDS
     per process, from the first worker it dispatches to, over every PS task of the
     cluster (a probe session on that worker's own server, as for a TF1 session). The
     slowest link is the one the pass is given, as TF1's pass takes it
-    (:func:`tfoverlap.planning.tictac.link_figures`)."""
+    (:func:`tfoverlap.planning.tictac.link_figures`). Called for every closure: after
+    the first, a lookup."""
     specs = _wants_measurement(config)
     if not specs:
         return None
+    with _coordinator_lock:
+        if tuple(specs) not in _coordinator_figures:
+            _coordinator_figures[tuple(specs)] = _measure_cluster(specs, worker_device,
+                                                                  seconds)
+        return _coordinator_figures[tuple(specs)]
+
+
+def _measure_cluster(specs: list[str], worker_device: str, seconds: float
+                     ) -> tuple[float, float] | None:
+    """Measures the links from the PS tasks of this process's cluster that match
+    ``specs`` to ``worker_device``; the slowest one's figures (None: none measured)."""
     from tensorflow.python.eager import context
     server_def = context.get_server_def()
     if server_def is None:
@@ -328,9 +341,8 @@ def coordinator_link(config, worker_device: str, seconds: float = PROBE_SECONDS
     worker_task = _task_of(worker_device)
     if not tasks or worker_task not in addresses:
         return None
-    with _coordinator_lock:
-        _measure_tasks("grpc://" + addresses[worker_task], tasks,
-                       _link_device(worker_task), None, seconds)
+    _measure_tasks("grpc://" + addresses[worker_task], tasks, _link_device(worker_task),
+                   None, seconds)
     links = measured_links()
     measured = [links[_link_device(task)] for task in tasks if _link_device(task) in links]
     if not measured:
