@@ -244,6 +244,13 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
         for key in ("losses", "seen", "history", "checkpoint", "weights", "optimizer",
                     "rank0_evaluate"):
             assert deferred.get(key) == plain.get(key), (rank, key)
+    if pattern == "momentum":
+        # Chunk by chunk, one request each: each deferred chunk's reduction waits for
+        # the one before it, and none waits for an update.
+        for records in keras_patterns:
+            reductions = records[pattern]["tfoverlap"]["deferred_reductions"]
+            assert reductions["reductions"] >= 2, reductions
+            assert reductions["chained"] and not reductions["wait_for_updates"], reductions
     if pattern == "validation":
         assert len(keras_patterns[0]["validation"]["tfoverlap"]["rank0_evaluate"]) == 2
     if pattern == "checkpoint":

@@ -75,6 +75,61 @@ def inputs_for(pattern):
     return INPUTS
 
 
+def _op_types(library, function_name, seen=None):
+    """The op types in a library function and in the functions it calls."""
+    seen = set() if seen is None else seen
+    if function_name in seen or function_name not in library:
+        return set()
+    seen.add(function_name)
+    types = set()
+    for node in library[function_name].node_def:
+        types.add(node.op)
+        for value in node.attr.values():
+            if value.HasField("func"):
+                types |= _op_types(library, value.func.name, seen)
+    return types
+
+
+def deferred_reductions(model):
+    """In the traced train function, the conditional reductions of deferred chunks: how
+    many, whether each waits for the one before it (one request each, in order), and
+    whether any waits for an update of a variable (as it did when a chunk's reduction and
+    update were one conditional)."""
+    function = model.train_function.__wrapped__
+    concrete = function._list_all_concrete_functions()[0]
+    library = {f.signature.name: f for f in concrete.graph.as_graph_def().library.function}
+
+    def writes(types):
+        return any(t.startswith("ResourceApply") or (t.startswith("Assign")
+                                                      and t.endswith("VariableOp"))
+                   for t in types)
+
+    found = {"reductions": 0, "chained": True, "wait_for_updates": False}
+    for body in library.values():
+        nodes = {node.name: node for node in body.node_def}
+        contents = {name: _op_types(library, node.attr["then_branch"].func.name)
+                    for name, node in nodes.items() if node.op in ("If", "StatelessIf")}
+        reductions = [name for name in nodes if "HorovodAllreduce" in contents.get(name, ())]
+
+        def ancestors(name):
+            stack, seen = [name], set()
+            while stack:
+                for source in nodes[stack.pop()].input:
+                    source = source.lstrip("^").split(":")[0]
+                    if source in nodes and source not in seen:
+                        seen.add(source)
+                        stack.append(source)
+            return seen
+
+        for earlier, later in zip(reductions, reductions[1:]):
+            found["chained"] &= earlier in ancestors(later)
+        for name in reductions:
+            found["wait_for_updates"] |= any(
+                writes(contents[a]) for a in ancestors(name) | {name} if a in contents)
+        found["reductions"] += len(reductions)
+    return found
+
+
 def train(pattern, variant):
     distributed = tfo_keras if variant == "tfoverlap" else hvd_keras
     model = model_for(pattern)
@@ -130,6 +185,8 @@ def train(pattern, variant):
     record["optimizer"] = [np.asarray(v).ravel()[:16].tolist()
                            for v in model.optimizer.variables]
     record["decision"] = tfo_keras.cross_step_decision(model) if variant == "tfoverlap" else None
+    if variant == "tfoverlap" and pattern == "momentum":
+        record["deferred_reductions"] = deferred_reductions(model)
     return record
 
 

@@ -400,7 +400,8 @@ def main(argv=None) -> int:
                              "compute_only and comm_only give comm/comp (else unknown)")
     parser.add_argument("--api", choices=("graph", "keras"), default="graph",
                         help="graph: TF1 sessions (allreduce_worker); keras: model.fit "
-                             "(keras_worker: horovod, horovod_again, caramel, compute_only)")
+                             "(keras_worker: horovod, horovod_again, caramel, "
+                             "caramel_cross_step, compute_only)")
     parser.add_argument("--steps-per-execution", type=int, default=4,
                         help="--api keras: compile(steps_per_execution=); --steps is "
                              "then the timed calls of the train function per block")

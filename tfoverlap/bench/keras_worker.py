@@ -8,7 +8,9 @@ cross-step overlap) and trained on one synthetic batch repeated:
   horovod        ``horovod.tensorflow.keras.DistributedOptimizer`` as is.
   horovod_again  the same again: the A/A row.
   caramel        ``tfoverlap.horovod.keras.DistributedOptimizer``, default options
-                 (cross-step overlap within each call where the plan predicts a gain).
+                 (in Keras "auto" does not defer yet: Caramel's in-step plan only).
+  caramel_cross_step  the same with ``configure(cross_step=True)``: the gradients ready
+                 last reduced under the next step's forward pass within each call.
   compute_only   the same model with a local optimizer: the step without communication.
 
 A block of a variant is one ``fit`` of ``--calls + 1`` calls of the train function; the
@@ -26,7 +28,7 @@ import time
 
 __all__ = ["VARIANTS", "main"]
 
-VARIANTS = ("horovod", "horovod_again", "caramel", "compute_only")
+VARIANTS = ("horovod", "horovod_again", "caramel", "caramel_cross_step", "compute_only")
 
 
 def _model(args):
@@ -54,8 +56,9 @@ def _build(variant: str, args, emulation: dict):
     previous = get_function_config()
     optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
     try:
-        if variant == "caramel":
-            tfo_hvd.configure(**emulation)
+        if variant.startswith("caramel"):
+            tfo_hvd.configure(**emulation, **({"cross_step": True}
+                                              if variant == "caramel_cross_step" else {}))
             optimizer = tfo_keras.DistributedOptimizer(optimizer)   # its function config
         else:
             if emulation:
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
     for variant in variants:
         reports_before = len(tfoverlap.recent_reports())
         built[variant] = _build(variant, args, emulation)
-        if variant == "caramel":
+        if variant.startswith("caramel"):
             summary = next((p.summary for r in tfoverlap.recent_reports()[reports_before:]
                             for p in r.passes if p.name == "caramel"), None) or {}
             decision = tfo_keras.cross_step_decision(built[variant][0]) or {}

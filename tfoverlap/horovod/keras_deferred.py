@@ -189,18 +189,35 @@ def _minimize(optimizer, deferral, loss, var_list, tape):
 
 def _apply_pending(optimizer, deferral) -> None:
     """Reduces and applies the pending deferred gradients, chunk by chunk, at the step
-    count they came from; nothing where none is pending."""
+    count they came from; nothing where none is pending.
+
+    Each chunk's reduction starts when the one before it has been reduced, not applied:
+    the ring goes from chunk to chunk, one request each, while the updates (which
+    TensorFlow runs one after another, as they share the optimizer's step counter) and
+    the forward pass follow behind."""
     import tensorflow as tf
+    reduced_chunks, previous = [], []
     for chunk in deferral.chunks:
-        def reduce_and_apply(chunk=chunk):
-            reduced = _reduce(optimizer, [deferral.buffers[i].read_value() for i in chunk],
-                              deferred=True)
+        def reduce(chunk=chunk):
+            return _reduce(optimizer, [deferral.buffers[i].read_value() for i in chunk],
+                           deferred=True)
+
+        def nothing(chunk=chunk):
+            return [tf.zeros_like(deferral.buffers[i]) for i in chunk]
+
+        with tf.control_dependencies(previous):
+            reduced = tf.cond(deferral.pending, reduce, nothing)
+        reduced = reduced if isinstance(reduced, (list, tuple)) else [reduced]
+        reduced_chunks.append(reduced)
+        previous = list(reduced)
+    for chunk, reduced in zip(deferral.chunks, reduced_chunks):
+        def apply(chunk=chunk, reduced=reduced):
             optimizer.iterations.assign_sub(1)     # apply_gradients counts it back
             optimizer.apply_gradients([(gradient, deferral.variables[i])
                                        for gradient, i in zip(reduced, chunk)])
             return tf.constant(True)
 
-        tf.cond(deferral.pending, reduce_and_apply, lambda: tf.constant(False))
+        tf.cond(deferral.pending, apply, lambda: tf.constant(False))
     deferral.pending.assign(False)
 
 
@@ -326,6 +343,7 @@ def _drained(model, train_function):
             deferral.drain()
             deferral.drain_seconds.append(time.perf_counter() - started)
         return outputs
+    call.__wrapped__ = train_function
     return call
 
 
