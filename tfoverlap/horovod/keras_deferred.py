@@ -235,7 +235,7 @@ def _plan(model, optimizer, train_step, data) -> _Deferral:
     refused = deferral_refused(model, optimizer)
     if not refused and mode == "auto":
         refused = ("not by default in Keras: at 8 emulated ranks it measured no gain over "
-                   "Horovod (0.99x with 4 and with 16 steps per call, docs/benchmarks.md); "
+                   "Horovod (0.99-1.01x with 4 and with 16 steps per call, docs/benchmarks.md); "
                    "configure(cross_step=True) defers")
     if refused:
         deferral.decision["reason"] = refused
