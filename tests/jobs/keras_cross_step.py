@@ -92,9 +92,9 @@ def _op_types(library, function_name, seen=None):
 
 def deferred_reductions(model):
     """In the traced train function, the conditional reductions of deferred chunks: how
-    many, whether each waits for the one before it (one request each, in order), and
-    whether any waits for an update of a variable (as it did when a chunk's reduction and
-    update were one conditional)."""
+    many, whether they run one after another (one request each), and whether any waits
+    for an update of a variable (as it did when a chunk's reduction and update were one
+    conditional)."""
     function = model.train_function.__wrapped__
     concrete = function._list_all_concrete_functions()[0]
     library = {f.signature.name: f for f in concrete.graph.as_graph_def().library.function}
@@ -121,11 +121,13 @@ def deferred_reductions(model):
                         stack.append(source)
             return seen
 
-        for earlier, later in zip(reductions, reductions[1:]):
-            found["chained"] &= earlier in ancestors(later)
+        before = {name: ancestors(name) for name in reductions}
+        for i, one in enumerate(reductions):       # one after another, in some order
+            for other in reductions[i + 1:]:
+                found["chained"] &= one in before[other] or other in before[one]
         for name in reductions:
             found["wait_for_updates"] |= any(
-                writes(contents[a]) for a in ancestors(name) | {name} if a in contents)
+                writes(contents[a]) for a in before[name] | {name} if a in contents)
         found["reductions"] += len(reductions)
     return found
 
