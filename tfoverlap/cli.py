@@ -200,7 +200,7 @@ def _critical_path(model, profile) -> tuple[list[int], float]:
 def _schedule(args) -> int:
     from tfoverlap.graph.model import tensor_bytes
     graph_def = load_graph(args.graph)
-    if args.algo == "caramel":
+    if args.algo in ("caramel", "decoupled"):
         return _schedule_allreduce(graph_def, args)
     schedule = _plan(graph_def, args, args.algo)
     model, transfers, notes = schedule.model, schedule.transfers, schedule.notes
@@ -267,6 +267,8 @@ def _schedule_allreduce(graph_def, args) -> int:
     except ValueError as error:
         raise CliError(str(error)) from None
     bandwidth = options.bandwidth
+    if args.algo == "decoupled":
+        return _schedule_decoupled(graph_def, options, args)
     plan, inputs = plan_for_graph(graph_def, options)
     source = inputs.ready_times_from
     names = [plan.model.names[v] for v in plan.nodes]
@@ -281,12 +283,50 @@ def _schedule_allreduce(graph_def, args) -> int:
         return 0
     print(f"Caramel buckets for {len(names)} AllReduces, {args.workers} ranks, "
           f"{bandwidth * 8 / 1e9:g} Gbit/s (op times: {source})")
+    _print_buckets(rows, "finish ms")
+    return 0
+
+
+def _print_buckets(rows, finish: str) -> None:
     print(f"  {'#':>3} {'gradients':>9} {'size':>12} {'ready ms':>9} {'start ms':>9} "
-          f"{'finish ms':>10}  first gradient")
+          f"{finish:>10}  first gradient")
     for row in rows:
         print(f"  {row['bucket']:>3} {len(row['gradients']):>9} {_megabytes(row['bytes']):>12} "
               f"{row['ready_s'] * 1e3:>9.2f} {row['start_s'] * 1e3:>9.2f} "
               f"{row['finish_s'] * 1e3:>10.2f}  {row['gradients'][0]['allreduce']}")
+
+
+def _schedule_decoupled(graph_def, options, args) -> int:
+    from tfoverlap.planning.decoupled import plan_decoupled_for_graph
+    try:
+        plan, inputs = plan_decoupled_for_graph(graph_def, options)
+    except ValueError as error:
+        raise CliError(f"{args.graph}: {error}") from None
+    names = [plan.plan.model.names[v] for v in plan.plan.nodes]
+    rows = [{"bucket": k, "gradients": [{"allreduce": names[p.gradient], "bytes": p.size}
+                                        for p in b.pieces],
+             "bytes": b.size, "ready_s": b.ready, "start_s": b.start, "finish_s": b.finish}
+            for k, b in enumerate(plan.buckets)]
+    steps = {"horovod": plan.horovod_step, "caramel": plan.caramel_step,
+             "cross_step": plan.cross_step_step, "decoupled": plan.predicted_step}
+    if args.json:
+        json.dump({"algorithm": "decoupled", "ranks": args.workers,
+                   "bandwidth": options.bandwidth, "reduce_scatter_buckets": rows,
+                   "gather_chunks": plan.gather_chunks, "predicted_step_s": steps},
+                  sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"Decoupled plan for {len(names)} gradients, {args.workers} ranks, "
+          f"{options.bandwidth * 8 / 1e9:g} Gbit/s (op times: {inputs.ready_times_from}): "
+          "reduce-scatter buckets under the backward pass")
+    _print_buckets(rows, "scatter ms")
+    print(f"all-gathered under the next forward pass in {len(plan.gather_chunks)} requests: "
+          + "; ".join(f"buckets {chunk[0]}-{chunk[-1]} "
+                      f"({_megabytes(sum(plan.buckets[i].size for i in chunk))})"
+                      for chunk in plan.gather_chunks))
+    print("predicted step: " + ", ".join(f"{name} {seconds * 1e3:.2f} ms"
+                                         for name, seconds in steps.items())
+          + f" (decoupled {plan.predicted_gain:+.1%} over the best of the others)")
     return 0
 
 
@@ -530,7 +570,8 @@ def _parser() -> argparse.ArgumentParser:
     schedule = graph_command("schedule", "the transfer order TIC or TAC plans and the "
                                          "ordering constraints the pass would add; for "
                                          "Horovod graphs Caramel's AllReduce buckets")
-    schedule.add_argument("--algo", choices=("tic", "tac", "caramel"), default="tic")
+    schedule.add_argument("--algo", choices=("tic", "tac", "caramel", "decoupled"),
+                          default="tic")
     schedule.add_argument("--json", action="store_true")
     schedule.add_argument("--workers", type=int, default=4, help="caramel: ranks")
     schedule.add_argument("--bandwidth", default="10Gbit", help="caramel: per link")

@@ -21,6 +21,9 @@ Variants (each its own graph and session, same model, batch and seed):
   caramel_cross_step  forced, the gradients ready last reduced under the next step's
                 forward pass wherever they fit (``configure(cross_step=True)``; its
                 report says what was deferred).
+  caramel_decoupled  forced, the gradients reduce-scattered under the backward pass, each
+                rank's shard updated, the parameters all-gathered under the next forward
+                pass (``configure(decouple=True)``; its report says what was decoupled).
   compute_only  the same model with a local optimizer: the step without communication.
   comm_only     only the AllReduces of the model's gradients (Horovod's default fusion).
 
@@ -52,7 +55,8 @@ __all__ = ["ddp_groups", "main"]
 CARAMEL_VARIANTS = {"caramel": {}, "caramel_forced": {"force": True},
                     "caramel_finished": {"force": True, "bucket_chain": "finished"},
                     "caramel_profiled": {"force": True, "profile_steps": 3},
-                    "caramel_cross_step": {"force": True, "cross_step": True}}
+                    "caramel_cross_step": {"force": True, "cross_step": True},
+                    "caramel_decoupled": {"force": True, "decouple": True}}
 VARIANT_NAMES = ("horovod", "horovod_again", "autotune", "ddp25", *CARAMEL_VARIANTS, "compute_only",
                  "comm_only")
 MIB = 2 ** 20
@@ -226,6 +230,7 @@ def main(argv=None) -> int:
     calmed = calm_timeline_writer() if args.trace_timeline and hvd.rank() == 0 else 0
     import tfoverlap
     import tfoverlap.horovod as tfo_hvd
+    from tfoverlap.horovod.decoupled import decoupling_summary
     from tfoverlap.horovod.deferred import deferral_summary
     began = time.perf_counter()
     built, caramel = {}, {}
@@ -239,6 +244,10 @@ def main(argv=None) -> int:
             if caramel[variant] is not None and deferral:
                 caramel[variant] = {**caramel[variant], "cross_step": {
                     **caramel[variant].get("cross_step", {}), **deferral}}
+            decoupled = decoupling_summary(built[variant][2].graph)
+            if caramel[variant] is not None and decoupled:
+                caramel[variant] = {**caramel[variant], "decouple": {
+                    **caramel[variant].get("decouple", {}), **decoupled}}
     build_seconds = time.perf_counter() - began
     for variant, (session, fetch, _) in built.items():
         for _ in range(args.warmup):

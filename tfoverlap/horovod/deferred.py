@@ -39,7 +39,8 @@ import weakref
 from tfoverlap.log import logger
 
 __all__ = ["deferral_refused", "reducing_allreduce", "defer_updates", "flush_op",
-           "deferral_summary", "DEFERRABLE_OPTIMIZERS", "DeferralError"]
+           "deferral_summary", "DEFERRABLE_OPTIMIZERS", "DeferralError", "register_pending",
+           "mark_deferred", "pending_summaries"]
 
 DEFERRABLE_OPTIMIZERS = ("GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer")
 # Ops that use a variable's handle but not its value: they need not wait for an update.
@@ -112,7 +113,7 @@ def reducing_allreduce(reduced):
     return reduced.op.inputs[0].op if reduced.op.type == "Cast" else reduced.op
 
 
-def _mark_deferred(allreduce) -> None:
+def mark_deferred(allreduce) -> None:
     """Keeps ``allreduce`` out of Caramel's in-step plan (it reduces a stored gradient)."""
     from tensorflow.core.framework import attr_value_pb2
 
@@ -213,7 +214,6 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
         logger.log(refusal_level, "tfoverlap: cross_step: %s; nothing deferred", refused)
         return apply_in_step(pairs)
     graph = pairs[0][1].graph
-    state = _graphs.setdefault(graph, _GraphState())
     group_name = graph.unique_name("tfoverlap/deferred", mark_as_used=True)
     first_op = len(graph.get_operations())
     deferred_set = frozenset(deferred)
@@ -261,7 +261,7 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
                     for op in _between(entry, reduced[i].op):
                         op._remove_all_control_inputs()  # noqa: SLF001 - only this run's now
                     entry._update_input(0, tensor)  # noqa: SLF001 - see live_graph
-                    _mark_deferred(allreduce)
+                    mark_deferred(allreduce)
                 reduces.append(ready.enqueue([reduced[i] for i in chunk]))
                 chained = [allreduces[i] for i in chunk]
                 stores.append((stored.enqueue(grads), tokens.enqueue(values)))
@@ -281,11 +281,31 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
                "chunks": [len(chunk) for chunk in chunks],
                "deferred_bytes": sum(variables[i].shape.num_elements()
                                      * variables[i].dtype.base_dtype.size for i in deferred)}
+    register_pending(graph, group_name, tuple(op.name for op in token_stores), reduce, close,
+                     guard_of, frozenset(reduced[i].name for i in deferred), own, summary)
+    logger.info("tfoverlap: %d of %d gradients reduced under the next step's forward pass, "
+                "in %d chunks", len(deferred), len(pairs), len(chunks))
+    return train
+
+
+def register_pending(graph, name: str, stores, background, close, guard_of: dict,
+                     hidden=frozenset(), own=frozenset(), summary=None) -> None:
+    """Registers work that a train run leaves pending for the next one (cross-step's
+    deferred reductions, decoupled reduction's all-gathers), and installs the session hooks
+    that keep it safe:
+
+    ``stores``: names of the ops that mark a run as the train run; when such a run
+    returns, ``background`` (an op) runs in a background run of the same session, on every
+    rank alike; ``close`` cancels its queues if it fails. ``guard_of``: handle tensor name
+    -> the op that applies what is pending to that variable (or slot): every op built
+    outside ``own`` (op names) that uses the handle waits for it. ``hidden``: names of
+    tensors that exist only in the background run (using one is a :class:`DeferralError`).
+    ``summary``: what :func:`deferral_summary` adds up."""
+    import tensorflow as tf
+    state = _graphs.setdefault(graph, _GraphState())
     with _lock:
-        state.groups.append(_Group(group_name, tuple(op.name for op in token_stores),
-                                   reduce, close, guard_of,
-                                   frozenset(reduced[i].name for i in deferred), own,
-                                   summary))
+        state.groups.append(_Group(name, tuple(stores), background, close, guard_of,
+                                   frozenset(hidden), frozenset(own), summary or {}))
         state.trained_by.clear()
         with graph.as_default(), tf.control_dependencies(None):
             state.flush = tf.group(*[apply for group in state.groups
@@ -293,9 +313,6 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
                                    name="tfoverlap/deferred/flush")
         _guard_new_ops(graph, state)
     _install_session_hooks()
-    logger.info("tfoverlap: %d of %d gradients reduced under the next step's forward pass, "
-                "in %d chunks", len(deferred), len(pairs), len(chunks))
-    return train
 
 
 def _read_before_the_step_advances(optimizer, reads, step_ops) -> None:
@@ -495,15 +512,20 @@ def _install_session_hooks() -> None:
 def deferral_summary(graph) -> dict:
     """What :func:`defer_updates` deferred in ``graph`` ({} if nothing): counts summed over
     the deferring optimizers."""
-    state = _graphs.get(graph)
-    if state is None or not state.groups:
+    summaries = [summary for summary in pending_summaries(graph) if "deferred" in summary]
+    if not summaries:
         return {}
-    summaries = [group.summary for group in state.groups]
     return {"deferred": sum(s["deferred"] for s in summaries),
             "gradients": sum(s["gradients"] for s in summaries),
             "chunks": [n for s in summaries for n in s["chunks"]],
             "deferred_bytes": sum(s["deferred_bytes"] for s in summaries),
             "optimizers": len(summaries)}
+
+
+def pending_summaries(graph) -> list[dict]:
+    """The summaries :func:`register_pending` was given for ``graph``, in order."""
+    state = _graphs.get(graph)
+    return [] if state is None else [group.summary for group in state.groups]
 
 
 def flush_op(graph=None):

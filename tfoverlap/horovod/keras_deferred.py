@@ -137,12 +137,12 @@ def register(optimizer, reduction: dict) -> None:
 def _reduce(optimizer, gradients, deferred: bool):
     """Horovod's reduction of ``gradients`` as plain HorovodAllreduce ops (those Horovod's
     cond holds), marked as deferred ones where ``deferred``."""
-    from tfoverlap.horovod.deferred import _mark_deferred, reducing_allreduce
+    from tfoverlap.horovod.deferred import mark_deferred, reducing_allreduce
     from tfoverlap.horovod.wrappers import _reduce_without_cond
     reduced = _reduce_without_cond(gradients, **_optimizers[optimizer])
     if deferred:
         for tensor in reduced:
-            _mark_deferred(reducing_allreduce(tensor))
+            mark_deferred(reducing_allreduce(tensor))
     return reduced
 
 

@@ -10,10 +10,12 @@ from tfoverlap.horovod.measure import EMULATION_OPTIONS, warmup_profile
 from tfoverlap.horovod.settings import caramel_options, wrapper_option
 from tfoverlap.log import logger
 
-__all__ = ["schedule_in_place", "defer_and_schedule", "plan_deferral"]
+__all__ = ["schedule_in_place", "defer_and_schedule", "plan_deferral",
+           "decouple_and_schedule", "plan_decoupling"]
 
 
-def schedule_in_place(graph, gradients=(), cross_step: dict | None = None) -> None:
+def schedule_in_place(graph, gradients=(), cross_step: dict | None = None,
+                      decouple: dict | None = None) -> None:
     """Runs the Caramel pass on ``graph`` as built so far and applies it in place.
 
     With ``profile_steps`` configured it plans with the op times of a profiled warm-up of
@@ -43,10 +45,12 @@ def schedule_in_place(graph, gradients=(), cross_step: dict | None = None) -> No
                                                 for name in EMULATION_OPTIONS if name in options})
     if report.modified:
         apply_rewrite(graph, before, after)
-    if cross_step is not None:
+    for key, decision in (("cross_step", cross_step), ("decouple", decouple)):
+        if decision is None:
+            continue
         for result in report.passes:
             if result.name == "caramel":
-                result.summary["cross_step"] = cross_step
+                result.summary[key] = decision
     REPORTS.append(report)
     logger.info("%s", report)
 
@@ -136,6 +140,91 @@ def plan_deferral(graph_def, own: dict, mode,
                        "deferred", type(error).__name__, error)
         decision["reason"] = f"no plan ({type(error).__name__}: {error})"
     return chunks, decision
+
+
+def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, variables,
+                          reduced, allreduces, gradients, process_set):
+    """decouple: builds the step with the gradients reduce-scattered, each rank's shard
+    updated and the parameters all-gathered under the next forward pass
+    (:mod:`tfoverlap.horovod.decoupled`), where the plan and the program allow it; else
+    the in-step plan. Returns the train op."""
+    from tfoverlap.horovod.decoupled import decouple_updates, decoupling_summary
+    graph = grads_and_vars[0][1].graph
+    reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
+                       None) for pair in grads_and_vars]
+    pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)
+               if j is not None and allreduces[j] is not None}
+    buckets, gathers, decision = plan_decoupling(graph.as_graph_def(), pair_of,
+                                                 len(grads_and_vars), mode)
+    train = None
+    if buckets and None not in reduced_at:
+        train = decouple_updates(optimizer, grads_and_vars, _aligned(grads, reduced_at),
+                                 _aligned(reduced, reduced_at),
+                                 _aligned(allreduces, reduced_at), buckets, gathers,
+                                 apply_in_step, process_set,
+                                 logging.WARNING if mode is True else logging.INFO)
+    elif buckets:
+        decision["reason"] = "a gradient given to apply_gradients was not reduced"
+    if train is None:
+        decision["decoupled"] = 0
+        decision.setdefault("reason", "outside the contract (see the log line before)")
+        logger.info("tfoverlap: decouple: nothing decoupled: %s", decision["reason"])
+        train = apply_in_step(grads_and_vars)
+    else:
+        decision["decoupled"] = decoupling_summary(graph).get("decoupled", 0)
+    schedule_in_place(graph, [] if decision["decoupled"] else gradients,
+                      decouple=decision)
+    return train
+
+
+def plan_decoupling(graph_def, own: dict, count: int,
+                    mode) -> tuple[list[list[int]], list[list[int]], dict]:
+    """(buckets of an optimizer's ``count`` gradients in reduce-scatter order, the
+    all-gather requests as lists of bucket indices, the decision as the Caramel report
+    gives it). ``own`` maps the names of this optimizer's HorovodAllreduce nodes in
+    ``graph_def`` to gradient indices; gradients the plan does not cover form a last
+    bucket, gathered first. ``mode`` "auto" decouples where the predicted step gains at
+    least min_gain over the best of Horovod's, the in-step plan's and cross-step
+    overlap's. Never raises: without a plan nothing is decoupled, with a warning."""
+    from tfoverlap.options import parse_options
+    from tfoverlap.planning.decoupled import plan_decoupled_for_graph
+    decision = {"mode": "auto" if mode == "auto" else "on", "decoupled": 0}
+    try:
+        options = parse_options(caramel_options())
+        plan, _ = plan_decoupled_for_graph(graph_def, options)
+    except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
+        logger.warning("tfoverlap: decouple: no plan (%s: %s); nothing decoupled",
+                       type(error).__name__, error)
+        decision["reason"] = f"no plan ({type(error).__name__}: {error})"
+        return [], [], decision
+    names = plan.plan.model.names
+    buckets, kept = [], []
+    for number, bucket in enumerate(plan.buckets):
+        members = [own[names[plan.plan.nodes[piece.gradient]]] for piece in bucket.pieces
+                   if names[plan.plan.nodes[piece.gradient]] in own]
+        if members:
+            buckets.append(members)
+            kept.append(number)
+    position = {number: index for index, number in enumerate(kept)}
+    gathers = [[position[b] for b in chunk if b in position] for chunk in plan.gather_chunks]
+    gathers = [chunk for chunk in gathers if chunk]
+    covered = {i for bucket in buckets for i in bucket}
+    missing = [i for i in range(count) if i not in covered]
+    if missing:
+        buckets.append(missing)
+        gathers = [[len(buckets) - 1] + (gathers[0] if gathers else [])] + gathers[1:]
+    decision.update(predicted_step_ms=round(plan.predicted_step * 1e3, 3),
+                    horovod_step_ms=round(plan.horovod_step * 1e3, 3),
+                    in_step_ms=round(plan.caramel_step * 1e3, 3),
+                    cross_step_ms=round(plan.cross_step_step * 1e3, 3),
+                    predicted_gain=round(plan.predicted_gain, 4))
+    if mode == "auto" and plan.predicted_gain < options.min_gain:
+        decision["reason"] = (f"decoupling would take the step to "
+                              f"{plan.predicted_step * 1e3:.3g} ms "
+                              f"({plan.predicted_gain:+.1%} over the best of the others), "
+                              f"below min_gain {options.min_gain:.1%}")
+        return [], [], decision
+    return buckets, gathers, decision
 
 
 def _aligned(values, indices):

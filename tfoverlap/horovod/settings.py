@@ -13,7 +13,8 @@ _configured_wrapper: dict = {}
 _measured: dict = {}
 
 
-def configure(profile_steps: int = 0, cross_step: bool | str = "auto", **options) -> None:
+def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
+              decouple: bool | str = False, **options) -> None:
     """Options for the Caramel pass the wrappers run (see :class:`tfoverlap.options.Options`:
     bandwidth, latency, split_bytes, flops, profile, ...). Validated here.
 
@@ -27,7 +28,14 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto", **options
     run returns, every checkpoint and the final weights are plain Horovod's). "auto" (the
     default): where Caramel's plan predicts a step at least ``min_gain`` faster than its
     in-step plan's; True: wherever a reduction fits under the forward pass; False:
-    never."""
+    never.
+
+    ``decouple``: graph-mode optimizers reduce-scatter the gradients under the backward
+    pass, update each rank's own shard and all-gather the parameters under the next
+    forward pass (:mod:`tfoverlap.horovod.decoupled`). True: wherever the program allows
+    it; "auto": where the plan predicts a step at least ``min_gain`` faster than the best
+    of Horovod's, the in-step plan's and cross-step overlap's; False (the default, until
+    checkpoints hold the sharded optimizer state whole): never."""
     from tfoverlap.options import parse_options
     if (not isinstance(profile_steps, int) or isinstance(profile_steps, bool)
             or not 0 <= profile_steps <= 100):
@@ -36,6 +44,9 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto", **options
     if not (cross_step is True or cross_step is False
             or isinstance(cross_step, str) and cross_step == "auto"):
         raise ValueError(f"cross_step must be True, False or \"auto\", not {cross_step!r}")
+    if not (decouple is True or decouple is False
+            or isinstance(decouple, str) and decouple == "auto"):
+        raise ValueError(f"decouple must be True, False or \"auto\", not {decouple!r}")
     if profile_steps and options.get("profile"):
         raise ValueError("give either profile (a profile file) or profile_steps (a "
                            "profiled warm-up), not both")
@@ -47,11 +58,14 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto", **options
         _configured_wrapper["profile_steps"] = profile_steps
     if cross_step != "auto":
         _configured_wrapper["cross_step"] = cross_step
+    if decouple is not False:
+        _configured_wrapper["decouple"] = decouple
 
 
 
 def wrapper_option(name: str, default=None):
-    """A wrapper option :func:`configure` was given (profile_steps, cross_step)."""
+    """A wrapper option :func:`configure` was given (profile_steps, cross_step,
+    decouple)."""
     return _configured_wrapper.get(name, default)
 
 

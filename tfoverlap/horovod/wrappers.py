@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from tfoverlap.horovod.scheduling import defer_and_schedule, schedule_in_place
+from tfoverlap.horovod.scheduling import (decouple_and_schedule, defer_and_schedule,
+                                          schedule_in_place)
 from tfoverlap.horovod.settings import caramel_options, wrapper_option, wrapper_options
 from tfoverlap.log import logger
 
@@ -120,6 +121,18 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         if not dense:
             return reduced
         gradients = [g for g in grads if isinstance(g, tf.Tensor)]
+        decouple = wrapper_option("decouple", False)
+        if decouple:
+            from tfoverlap.horovod.decoupled import decoupling_refused
+            refused = (decoupling_refused(optimizer, variables, reduced, compression)
+                       if variables is not None else "Horovod did not name the variables")
+            if not refused:
+                pending.update(grads=list(grads), variables=list(variables),
+                               reduced=reduced, allreduces=allreduces, gradients=gradients,
+                               mode=decouple, decouple=True)
+                return reduced
+            logger.log(logging.WARNING if decouple is True else logging.INFO,
+                       "tfoverlap: decouple: %s; not decoupled", refused)
         mode = wrapper_option("cross_step", "auto")
         decision = None
         if mode:
@@ -145,6 +158,11 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             return original_apply(grads_and_vars, global_step=global_step, name=name)
         deferrable = dict(pending)
         pending.clear()
+        if deferrable.pop("decouple", False):
+            return decouple_and_schedule(
+                optimizer, list(grads_and_vars),
+                lambda pairs: original_apply(pairs, global_step=global_step, name=name),
+                process_set=process_set, **deferrable)
         return defer_and_schedule(
             optimizer, list(grads_and_vars),
             lambda pairs: original_apply(pairs, global_step=global_step, name=name),

@@ -34,7 +34,7 @@ from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradients",
            "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
            "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
-           "HOROVOD_REDUCE_OPS", "gradient_submissions", "traced_step_breakdown",
+           "HOROVOD_REDUCE_OPS", "gradient_submissions", "planning_inputs", "traced_step_breakdown",
            "waited_producers", "DEFERRED_ATTR", "deferred_chunks", "deferred_step"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
@@ -517,6 +517,10 @@ class PlanInputs:
                 "latency": options.latency, "split_bytes": options.split_bytes,
                 "bucket_bytes": options.bucket_bytes}
 
+    def request_latency(self, options) -> float:
+        """The alpha the plan uses (:func:`request_latency`)."""
+        return request_latency(options.latency, self.ranks, self.cycle_seconds)
+
     def describe(self, options) -> str:
         """This rank's planning inputs, for a mismatch message that lets ranks be compared."""
         return (f"ranks={self.ranks}, threads={self.threads}, "
@@ -526,18 +530,25 @@ class PlanInputs:
                 f"op times from {self.ready_times_from}")
 
 
-def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
-    """(plan, what it was planned with): exactly what the pass plans for ``graph_def``
-    under ``options``; ``tfoverlap schedule --algo caramel`` shows it."""
+def planning_inputs(graph_def, options) -> tuple[PlanInputs, dict, dict]:
+    """(what a plan of ``graph_def`` under ``options`` is made with, the op seconds, the
+    known tensor sizes)."""
     ranks = resolve_ranks(options.ranks)
     threads = options.threads or os.cpu_count() or 1
     cycle = horovod_cycle_seconds(options.cycle_ms)
     op_seconds, tensor_sizes, source = _op_costs(graph_def, options)
-    plan = plan_allreduce(graph_def, "caramel", ranks, link_bandwidth(options),
-                          request_latency(options.latency, ranks, cycle), op_seconds, threads,
+    return PlanInputs(ranks, threads, cycle, source), op_seconds, tensor_sizes
+
+
+def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
+    """(plan, what it was planned with): exactly what the pass plans for ``graph_def``
+    under ``options``; ``tfoverlap schedule --algo caramel`` shows it."""
+    inputs, op_seconds, tensor_sizes = planning_inputs(graph_def, options)
+    plan = plan_allreduce(graph_def, "caramel", inputs.ranks, link_bandwidth(options),
+                          inputs.request_latency(options), op_seconds, inputs.threads,
                           options.split_bytes, tensor_sizes, options.bucket_bytes,
                           fuse_queued=options.bucket_chain != "finished")
-    return plan, PlanInputs(ranks, threads, cycle, source)
+    return plan, inputs
 
 
 def gradient_submissions(run_metadata, devices: str = "") -> tuple[list[int], set[str]]:

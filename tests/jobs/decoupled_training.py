@@ -1,0 +1,149 @@
+"""A Horovod job for tests/test_decoupled.py: two models trained STEPS steps with plain
+Horovod and with tfoverlap.horovod's decouple (reduce-scatter, sharded update,
+all-gather under the next forward pass) from the same initial weights, with SGD,
+Momentum on a decayed rate and Adam. Between steps every rank computes a validation
+loss, and rank 0 alone another one (neither may start a collective).
+
+Writes one JSON record per rank (to $DECOUPLED_RECORDS/rank-N.json): per model,
+optimizer and variant, the losses, the validation values, the final weights, the bytes of
+optimizer state on this rank, what was decoupled and tfoverlap's warnings.
+"""
+import json
+import logging
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+tf.compat.v1.disable_eager_execution()
+import horovod.tensorflow as hvd  # noqa: E402
+
+import tfoverlap.horovod as tfo_hvd  # noqa: E402
+from job_logging import Warnings  # noqa: E402 - this directory
+from tfoverlap.horovod.decoupled import decoupling_summary  # noqa: E402
+
+STEPS = int(os.environ.get("DECOUPLED_STEPS", "100"))
+# A slow link and slow compute: the plan has a backward pass to overlap.
+OPTIONS = dict(bandwidth="100Mbit", latency=50e-6, flops=2.5e8, force=True)
+OPTIMIZERS = ("sgd", "momentum", "adam")
+#: (model, optimizer) runs whose gradients are clipped by their global norm after the
+#: reduction: outside the contract, refused in one warning.
+CLIPPED = (("chain", "momentum"),)
+
+hvd.init()
+RANK = hvd.rank()
+data = np.random.default_rng(100 + RANK)
+VALIDATION = np.random.default_rng(999)
+
+
+def chain(x):
+    """Dense layers whose sizes do not divide by the ranks (odd biases)."""
+    hidden = x
+    for index, width in enumerate((61, 64, 33)):
+        hidden = tf.nn.relu(tf.compat.v1.layers.dense(hidden, width, name=f"dense{index}"))
+    return tf.compat.v1.layers.dense(hidden, 10, name="logits")
+
+
+def convnet(x):
+    images = tf.reshape(x, [-1, 8, 8, 1])
+    hidden = tf.compat.v1.layers.conv2d(images, 8, 3, padding="same", activation=tf.nn.relu,
+                                        name="conv0")
+    hidden = tf.compat.v1.layers.conv2d(hidden, 16, 3, padding="same",
+                                        activation=tf.nn.relu, name="conv1")
+    return tf.compat.v1.layers.dense(tf.reshape(hidden, [-1, 8 * 8 * 16]), 10, name="logits")
+
+
+MODELS = {"chain": chain, "convnet": convnet}
+
+
+def optimizer_of(name, step):
+    if name == "sgd":
+        return tf.compat.v1.train.GradientDescentOptimizer(0.05)
+    if name == "momentum":
+        rate = tf.compat.v1.train.exponential_decay(0.05, step, 10, 0.8)
+        return tf.compat.v1.train.MomentumOptimizer(rate, 0.9)
+    return tf.compat.v1.train.AdamOptimizer(0.003)
+
+
+def train(model, optimizer_name, variant, inputs, labels, validation, clip=False):
+    if variant == "decoupled":
+        tfo_hvd.configure(decouple=True, cross_step=False, **OPTIONS)
+        distributed = tfo_hvd
+    else:
+        distributed = hvd
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [32, 64])
+        y = tf.compat.v1.placeholder(tf.int64, [32])
+        step = tf.compat.v1.train.get_or_create_global_step()
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, MODELS[model](x)))
+        weights = tf.compat.v1.trainable_variables()
+        optimizer = distributed.DistributedOptimizer(optimizer_of(optimizer_name, step))
+        if clip:
+            pairs = optimizer.compute_gradients(loss)
+            clipped, _ = tf.clip_by_global_norm([g for g, _ in pairs], 0.5)
+            train_op = optimizer.apply_gradients(zip(clipped, [v for _, v in pairs]),
+                                                 global_step=step)
+        else:
+            train_op = optimizer.minimize(loss, global_step=step)
+        init = tf.compat.v1.global_variables_initializer()
+        broadcast = hvd.broadcast_global_variables(0)
+        state = [v for v in tf.compat.v1.global_variables()
+                 if v not in weights and v is not step]
+    record = {}
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        initial = np.random.default_rng(7)       # the same start in every variant
+        for weight in weights:
+            weight.load(initial.normal(0, 0.1, weight.shape).astype(np.float32), session)
+        session.run(broadcast)
+        losses, validations = [], []
+        for index in range(STEPS):
+            losses.append(float(session.run([loss, train_op],
+                                            {x: inputs[index], y: labels[index]})[0]))
+            if index % 10 == 9:           # every rank alike, then rank 0 alone
+                validations.append(float(session.run(loss, {x: validation[0],
+                                                            y: validation[1]})))
+                if RANK == 0:
+                    validations.append(float(session.run(loss, {x: validation[0],
+                                                                y: validation[1]})))
+        record["losses"] = losses
+        record["validations"] = validations
+        record["final"] = [w.tolist() for w in session.run(weights)]
+        record["optimizer_bytes"] = int(sum(v.shape.num_elements() * 4 for v in state
+                                            if v.shape.num_elements() > 1))
+    record["decoupled"] = decoupling_summary(graph)
+    tfo_hvd.configure()
+    return record
+
+
+def main():
+    records = {}
+    inputs = data.normal(size=(STEPS, 32, 64)).astype(np.float32)
+    labels = data.integers(0, 10, size=(STEPS, 32))
+    validation = (VALIDATION.normal(size=(32, 64)).astype(np.float32),
+                  VALIDATION.integers(0, 10, size=32))
+    caught = Warnings()
+    logging.getLogger("tfoverlap").addHandler(caught)
+    runs = [(model, name, False) for model in MODELS for name in OPTIMIZERS]
+    for model, optimizer_name, clip in runs + [(m, o, True) for m, o in CLIPPED]:
+        entry = {}
+        for variant in ("horovod", "decoupled"):
+            caught.messages = []
+            try:
+                entry[variant] = train(model, optimizer_name, variant, inputs, labels,
+                                       validation, clip)
+            except Exception as error:  # noqa: BLE001 - recorded for the test
+                entry[variant] = {"error": f"{type(error).__name__}: {error}"}
+            entry[variant]["warnings"] = caught.messages
+        records[f"{model}/{optimizer_name}" + ("/clip" if clip else "")] = entry
+    path = os.path.join(os.environ["DECOUPLED_RECORDS"], f"rank-{RANK}.json")
+    with open(path, "w") as stream:
+        json.dump({"rank": RANK, "size": hvd.size(), "records": records}, stream)
+    print(f"rank {RANK} done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Decoupled reduction: reduce-scatter under the backward pass, sharded update, all-gather
+under the next forward pass. The plan on plain numbers and on a Horovod graph, the CLI,
+and a 2-rank Gloo job (tests/jobs/decoupled_training.py) that trains two models 100 steps
+with and without it and compares every value bit for bit."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tfoverlap.costs.network import ring_allreduce_seconds
+from tfoverlap.testbed.horovod_launch import run_horovod
+from tfoverlap.testbed.network import EmulatedNetwork
+from tests.helpers import build_horovod_graph
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "decoupled_training.py")
+STEPS = 100
+
+
+def test_a_reduce_scatter_costs_half_an_allreduce_and_buckets_are_priced_so():
+    from tfoverlap.planning.decoupled import reduce_scatter_buckets, reduce_scatter_seconds
+    for size in (0, 1000, 25e6):
+        assert reduce_scatter_seconds(size, 8, 3e9, 1e-4) == pytest.approx(
+            ring_allreduce_seconds(size, 8, 3e9, 1e-4) / 2)
+    assert reduce_scatter_seconds(1e6, 1, 3e9, 1e-4) == 0.0
+    sizes, ready = [4e6, 8e6, 2e6], [0.001, 0.004, 0.009]
+    buckets = reduce_scatter_buckets(sizes, ready, 4, 1e9, 1e-4)
+    assert sorted(p.gradient for b in buckets for p in b.pieces) == [0, 1, 2]
+    assert all(len({p.gradient for p in b.pieces}) == len(b.pieces) for b in buckets)
+    for bucket in buckets:          # the plan's own times are reduce-scatters'
+        assert bucket.finish - bucket.start == pytest.approx(
+            reduce_scatter_seconds(bucket.size, 4, 1e9, 1e-4))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=6), st.integers(1, 9))
+def test_the_ranks_shards_cover_every_element_of_a_bucket_once(counts, ranks):
+    from tfoverlap.horovod.decoupled import BucketLayout
+    layout = BucketLayout.of(range(len(counts)), counts, ranks)
+    assert layout.shard * ranks >= layout.total > (layout.shard - 1) * ranks
+    covered = [np.zeros(count, int) for count in counts]
+    for rank in range(ranks):
+        owned = layout.owned(rank)
+        assert sum(end - first for _, first, end in owned) <= layout.shard
+        for position, first, end in owned:
+            covered[position][first:end] += 1
+    assert all((c == 1).all() for c in covered)
+
+
+def test_all_gathers_go_in_few_requests_that_grow():
+    from tfoverlap.planning.decoupled import gather_chunks
+    chunks = gather_chunks([1] * 30, chunks=4)
+    assert [i for chunk in chunks for i in chunk] == list(range(30))
+    assert len(chunks) == 4 and [len(c) for c in chunks] == sorted(len(c) for c in chunks)
+    assert gather_chunks([5, 5], chunks=4) == [[0], [1]]
+    with pytest.raises(ValueError, match="chunks >= 1"):
+        gather_chunks([1], chunks=0)
+
+
+_CHAIN = """
+import sys
+import horovod.tensorflow as hvd
+import tensorflow as tf
+hvd.init()
+graph = tf.Graph()
+with graph.as_default():
+    weights = [tf.compat.v1.get_variable(f"w{i}", [512, 512], use_resource=True)
+               for i in range(6)]
+    hidden = tf.ones([64, 512])
+    for weight in weights:
+        hidden = tf.nn.relu(tf.matmul(hidden, weight))
+    loss = tf.reduce_sum(hidden)
+    gradients = tf.gradients(loss, weights)
+    optimizer = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
+    train = optimizer.apply_gradients(
+        [(hvd.allreduce(g), w) for w, g in zip(weights, gradients)], name="train")
+with open(sys.argv[1], "wb") as stream:
+    stream.write(graph.as_graph_def().SerializeToString())
+"""
+
+
+@pytest.fixture(scope="module")
+def chain_graph(tmp_path_factory):
+    import tensorflow as tf
+    path = tmp_path_factory.mktemp("decoupled") / "chain.pb"
+    build_horovod_graph(_CHAIN, path)
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.ParseFromString(path.read_bytes())
+    return path, graph_def
+
+
+def test_the_simulated_step_gathers_before_each_layer_and_scatters_after_its_gradient(
+        chain_graph):
+    """Each variable's forward reads wait for its all-gather, each reduce-scatter for its
+    gradients; with a slow link the decoupled step beats Horovod's, and with free compute
+    its ring time is one AllReduce of every byte (each half moves half the bytes)."""
+    from tfoverlap.planning.decoupled import plan_decoupled
+    from tfoverlap.sim.engine import COLLECTIVE, simulate
+    _, graph_def = chain_graph
+    op_seconds = {node.name: 0.002 for node in graph_def.node}
+    network = (4, 125e6, 50e-6)
+    plan = plan_decoupled(graph_def, *network, op_seconds, threads=2)
+    assert len(plan.variables) == 6 and None not in plan.variables
+    assert sorted(i for chunk in plan.gather_chunks for i in chunk) == list(
+        range(len(plan.buckets)))
+    problem = plan.problem(op_seconds, *network, threads=2)
+    schedule = simulate(problem)
+    collectives = np.flatnonzero(problem.kind == COLLECTIVE)
+    gathers, scatters = (collectives[:len(plan.gather_chunks)],
+                         collectives[len(plan.gather_chunks):])
+    for gather, chunk in zip(gathers, plan.gather_chunks):
+        readers = {r for b in chunk for p in plan.buckets[b].pieces
+                   for r in plan.readers[plan.variables[p.gradient]]}
+        assert readers and set(problem.successors[gather]) == readers
+        assert all(schedule.start[r] >= schedule.end[gather] - 1e-12 for r in readers)
+    for scatter in scatters:
+        waits = [t for t in range(problem.num_tasks) if scatter in problem.successors[t]]
+        assert waits and all(schedule.start[scatter] >= schedule.end[t] - 1e-12
+                             for t in waits)
+    assert plan.predicted_step == pytest.approx(schedule.makespan)
+    assert plan.predicted_step < plan.horovod_step
+    free = simulate(plan.problem({}, *network, threads=2))
+    total = sum(plan.plan.sizes)
+    assert free.makespan == pytest.approx(
+        ring_allreduce_seconds(total, 4, 125e6, 0.0)
+        + (len(plan.buckets) + len(plan.gather_chunks)) * 3 * 50e-6)
+
+
+def test_the_cli_shows_the_decoupled_plan_beside_the_others(chain_graph, capsys):
+    from tfoverlap import cli
+    path, _ = chain_graph
+    assert cli.main(["schedule", str(path), "--algo", "decoupled", "--workers", "4",
+                     "--bandwidth", "1Gbit", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert set(plan["predicted_step_s"]) == {"horovod", "caramel", "cross_step", "decoupled"}
+    assert sum(b["bytes"] for b in plan["reduce_scatter_buckets"]) == 6 * 512 * 512 * 4
+    assert cli.main(["schedule", str(path), "--algo", "decoupled", "--workers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "reduce-scatter buckets" in out and "predicted step: horovod" in out
+    assert cli.main(["simulate", str(path), "--algo", "default,caramel,decoupled",
+                     "--workers", "4", "--bandwidth", "1Gbit"]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split()[0] for row in rows] == ["default", "caramel", "decoupled"]
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """Each rank's record of every model, optimizer and variant."""
+    directory = tmp_path_factory.mktemp("decoupled_records")
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [sys.executable, JOB], controller="gloo",
+                             timeout=600, env={"DECOUPLED_RECORDS": str(directory),
+                                               "DECOUPLED_STEPS": str(STEPS)})
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    return [json.loads((directory / f"rank-{rank}.json").read_text())["records"]
+            for rank in range(2)]
+
+
+@pytest.mark.parametrize("run", ["chain/sgd", "chain/momentum", "chain/adam",
+                                 "convnet/sgd", "convnet/momentum", "convnet/adam"])
+def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_state(
+        records, run):
+    """100 steps: every loss, every validation loss (on every rank, and on rank 0 alone,
+    which starts no collective) and the final weights are plain Horovod's; the optimizer
+    state on each rank is half of Horovod's (2 ranks), plus at most a padding element per
+    bucket and slot."""
+    for rank, record in enumerate(records):
+        plain, decoupled = record[run]["horovod"], record[run]["decoupled"]
+        assert "error" not in plain and "error" not in decoupled, (rank, decoupled)
+        assert decoupled["decoupled"]["decoupled"] >= 2, decoupled["decoupled"]
+        assert decoupled["warnings"] == [], decoupled["warnings"]
+        assert len(decoupled["losses"]) == STEPS
+        assert decoupled["losses"] == plain["losses"], rank
+        assert decoupled["validations"] == plain["validations"], rank
+        assert len(decoupled["validations"]) == (20 if rank == 0 else 10)
+        assert decoupled["final"] == plain["final"], rank
+        buckets = len(decoupled["decoupled"]["buckets"])
+        slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
+        assert decoupled["optimizer_bytes"] <= plain["optimizer_bytes"] / 2 + 4 * buckets * slots
+
+
+def test_gradients_changed_after_the_reduction_are_refused_in_one_warning(records):
+    for record in records:
+        plain, decoupled = (record["chain/momentum/clip"]["horovod"],
+                            record["chain/momentum/clip"]["decoupled"])
+        assert decoupled["decoupled"] == {}
+        assert len(decoupled["warnings"]) == 1
+        assert "is not the reduced gradient" in decoupled["warnings"][0]
+        assert decoupled["losses"] == plain["losses"] and decoupled["final"] == plain["final"]
