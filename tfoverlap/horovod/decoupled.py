@@ -34,7 +34,8 @@ import logging
 import math
 
 from tfoverlap.horovod.deferred import (DEFERRABLE_OPTIMIZERS, deferral_refused,
-                                        mark_deferred, pending_summaries, register_pending)
+                                        mark_deferred, not_reduced_alone, pending_summaries,
+                                        register_pending)
 from tfoverlap.log import logger
 
 __all__ = ["decoupling_refused", "decouple_updates", "decoupling_summary",
@@ -122,18 +123,10 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
     import horovod.tensorflow as hvd
     import tensorflow as tf
     pairs = list(grads_and_vars)
-    for index, (gradient, variable) in enumerate(pairs):
-        refused = ""
-        if gradient is not reduced[index]:
-            refused = (f"the gradient given to apply_gradients for {variable.op.name} is not "
-                       "the reduced gradient (changed after the reduction, e.g. clipped by "
-                       "the global norm)")
-        elif reduced[index].consumers():
-            refused = (f"the reduced gradient of {variable.op.name} is used outside its "
-                       f"update (by {reduced[index].consumers()[0].name})")
-        if refused:
-            logger.log(refusal_level, "tfoverlap: decouple: %s; nothing decoupled", refused)
-            return None
+    refused = not_reduced_alone(pairs, reduced, range(len(pairs)))
+    if refused:
+        logger.log(refusal_level, "tfoverlap: decouple: %s; nothing decoupled", refused)
+        return None
     if sorted(i for bucket in buckets for i in bucket) != list(range(len(pairs))):
         raise ValueError("the buckets must hold every pair once")
     ranks, rank = process_set.size(), process_set.rank()

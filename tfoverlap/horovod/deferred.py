@@ -40,7 +40,7 @@ from tfoverlap.log import logger
 
 __all__ = ["deferral_refused", "reducing_allreduce", "defer_updates", "flush_op",
            "deferral_summary", "DEFERRABLE_OPTIMIZERS", "DeferralError", "register_pending",
-           "mark_deferred", "pending_summaries"]
+           "mark_deferred", "pending_summaries", "not_reduced_alone"]
 
 DEFERRABLE_OPTIMIZERS = ("GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer")
 # Ops that use a variable's handle but not its value: they need not wait for an update.
@@ -196,18 +196,7 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
     import tensorflow as tf
     pairs = list(grads_and_vars)
     deferred = [i for chunk in chunks for i in chunk]
-    refused = ""
-    for index in deferred:
-        gradient, variable = pairs[index]
-        if gradient is not reduced[index]:
-            refused = (f"the gradient given to apply_gradients for {variable.op.name} is not "
-                       "the reduced gradient (changed after the reduction, e.g. clipped by "
-                       "the global norm)")
-        elif reduced[index].consumers():
-            refused = (f"the reduced gradient of {variable.op.name} is used outside its "
-                       f"update (by {reduced[index].consumers()[0].name})")
-        if refused:
-            break
+    refused = not_reduced_alone(pairs, reduced, deferred)
     if not refused and len(deferred) == len(pairs):
         refused = "every update would be deferred (none would be left in the step)"
     if refused:
@@ -313,6 +302,22 @@ def register_pending(graph, name: str, stores, background, close, guard_of: dict
                                    name="tfoverlap/deferred/flush")
         _guard_new_ops(graph, state)
     _install_session_hooks()
+
+
+def not_reduced_alone(pairs, reduced, indices) -> str:
+    """Why the updates of ``pairs`` at ``indices`` cannot be moved away from the step's
+    reduction: the gradient given to apply_gradients is not the ``reduced`` tensor, or that
+    is used elsewhere ("" if neither)."""
+    for index in indices:
+        gradient, variable = pairs[index]
+        if gradient is not reduced[index]:
+            return (f"the gradient given to apply_gradients for {variable.op.name} is not "
+                    "the reduced gradient (changed after the reduction, e.g. clipped by the "
+                    "global norm)")
+        if reduced[index].consumers():
+            return (f"the reduced gradient of {variable.op.name} is used outside its update "
+                    f"(by {reduced[index].consumers()[0].name})")
+    return ""
 
 
 def _read_before_the_step_advances(optimizer, reads, step_ops) -> None:

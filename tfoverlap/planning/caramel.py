@@ -35,7 +35,8 @@ __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradient
            "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
            "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
            "HOROVOD_REDUCE_OPS", "gradient_submissions", "planning_inputs", "traced_step_breakdown",
-           "waited_producers", "DEFERRED_ATTR", "deferred_chunks", "deferred_step"]
+           "waited_producers", "DEFERRED_ATTR", "deferred_chunks", "deferred_step",
+           "growing_runs"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 #: the op types that hand tensors to Horovod for reduction.
@@ -217,13 +218,20 @@ def deferred_chunks(plan: AllreducePlan, ring_seconds, chunks: int = 4,
             break
     if not chosen or total <= chunks * request_seconds:
         return []
-    # Chunk k ends where the first k + 1 chunks hold (2^(k+1) - 1) / (2^chunks - 1) of it.
-    ends = [total * (2 ** (k + 1) - 1) / (2 ** chunks - 1) for k in range(chunks)]
+    return growing_runs(chosen, [ring_seconds[position] for position in chosen], chunks)
+
+
+def growing_runs(items: list, weights, runs: int) -> list[list]:
+    """``items`` cut, in order, into up to ``runs`` runs of about twice the weight of the
+    run before: run k ends where the first k + 1 hold (2^(k+1) - 1) / (2^runs - 1) of the
+    total weight."""
+    total = float(sum(weights))
+    ends = [total * (2 ** (k + 1) - 1) / (2 ** runs - 1) for k in range(runs)]
     result, current, filled = [], [], 0.0
-    for position in chosen:
-        current.append(position)
-        filled += ring_seconds[position]
-        if filled >= ends[len(result)] - 1e-12 and len(result) < chunks - 1:
+    for item, weight in zip(items, weights):
+        current.append(item)
+        filled += weight
+        if filled >= ends[len(result)] * (1 - 1e-12) and len(result) < runs - 1:
             result.append(current)
             current = []
     if current:

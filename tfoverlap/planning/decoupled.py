@@ -30,8 +30,8 @@ from tfoverlap.graph.model import GraphModel, is_variable_op
 from tfoverlap.options import link_bandwidth
 from tfoverlap.planning.caramel import (SPLIT_BYTES, AllreducePlan, PlanInputs,
                                         allreduce_gradients,
-                                        deferred_chunks, deferred_step, plan_allreduce,
-                                        planning_inputs)
+                                        deferred_chunks, deferred_step, growing_runs,
+                                        plan_allreduce, planning_inputs)
 from tfoverlap.schedulers.caramel import Bucket, plan_buckets
 from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 
@@ -124,19 +124,7 @@ def gather_chunks(sizes, chunks: int = 4) -> list[list[int]]:
     (they go one after another, so fewer requests wait fewer Horovod cycles)."""
     if chunks < 1:
         raise ValueError(f"gather_chunks needs chunks >= 1, not {chunks}")
-    total = float(sum(sizes))
-    chunks = max(1, min(chunks, len(sizes)))
-    ends = [total * (2 ** (k + 1) - 1) / (2 ** chunks - 1) for k in range(chunks)]
-    result, current, filled = [], [], 0.0
-    for index, size in enumerate(sizes):
-        current.append(index)
-        filled += size
-        if filled >= ends[len(result)] - 1e-9 and len(result) < chunks - 1:
-            result.append(current)
-            current = []
-    if current:
-        result.append(current)
-    return result
+    return growing_runs(list(range(len(sizes))), sizes, max(1, min(chunks, len(sizes))))
 
 
 def decoupled_problem(plan: AllreducePlan, buckets: list[Bucket], gathers: list[list[int]],
