@@ -207,12 +207,15 @@ def summary_line() -> str:
     ordered, planned, declined, failed = {}, {}, [], 0
     keras = sys.modules.get("tfoverlap.horovod.keras_deferred")
     cross_step = list(keras.recent_decisions()) if keras else []
+    decoupled = []
     for report in recent_reports():
         failed += report.reverted
         for entry in report.passes:
             summary = entry.summary
             if entry.name == "caramel" and summary.get("cross_step"):
                 cross_step.append(summary["cross_step"])
+            if entry.name == "caramel" and summary.get("decouple"):
+                decoupled.append(summary["decouple"])
             if entry.name == "tictac" and summary.get("ordering_edges"):
                 ordered[report.item_id] = summary["transfers"]
             elif entry.name == "caramel" and summary.get("buckets"):
@@ -234,6 +237,13 @@ def summary_line() -> str:
     elif cross_step:
         parts.append("cross-step overlap deferred nothing "
                      f"({cross_step[-1].get('reason', 'no reason given')})")
+    if any(decision.get("decoupled") for decision in decoupled):
+        parts.append(f"decoupled reduction: {sum(d.get('decoupled', 0) for d in decoupled)} "
+                     "gradients reduce-scattered, their parameters all-gathered under the "
+                     "next forward pass")
+    elif decoupled:
+        parts.append("decoupled reduction decoupled nothing "
+                     f"({decoupled[-1].get('reason', 'no reason given')})")
     if coordinator_dispatches():
         parts.append(f"dispatched {coordinator_dispatches()} ClusterCoordinator closures to "
                      "workers, whose Grappler optimizes them (their reports are there)")

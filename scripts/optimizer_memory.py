@@ -1,0 +1,99 @@
+"""Optimizer state per rank, plain Horovod against decoupled reduction (sharded updates).
+
+Runs one Horovod job of ``--ranks`` ranks over Gloo on loopback. Each rank builds each
+model with Adam, once wrapped by Horovod's DistributedOptimizer and once by
+tfoverlap.horovod's with ``configure(decouple=True)``, trains ``--steps`` steps (batch 2,
+CPU), and counts the bytes of the optimizer's state variables (Adam's moments; the
+scalar beta powers left out) that live on the rank. Prints one JSON line: per model,
+Horovod's bytes, the decoupled bytes on each rank, the ratio, and the largest bucket.
+
+    .venv/bin/python scripts/optimizer_memory.py --ranks 8 --models resnet50,transformer
+"""
+import argparse
+import json
+import os
+import sys
+
+
+def _rank_main(models, steps: int) -> None:
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    import horovod.tensorflow as hvd
+
+    import tfoverlap.horovod as tfo_hvd
+    from tfoverlap.horovod.decoupled import decoupling_summary
+    from tfoverlap.testbed.models import build_model
+    hvd.init()
+    rows = {}
+    for name in models:
+        row = {}
+        for variant in ("horovod", "decoupled"):
+            distributed = hvd
+            if variant == "decoupled":
+                tfo_hvd.configure(decouple=True, cross_step=False, force=True,
+                                  bandwidth="25Gbit", latency=50e-6, flops=1e13)
+                distributed = tfo_hvd
+            model = build_model(name, 2, 0, "/cpu:0", True, seed=0, wrap_optimizer=lambda _,
+                                distributed=distributed: distributed.DistributedOptimizer(
+                                    tf.compat.v1.train.AdamOptimizer(1e-4)))
+            tfo_hvd.configure()
+            with model.graph.as_default():
+                state = [v for v in tf.compat.v1.global_variables()
+                         if v.shape.num_elements() > 1
+                         and all(v is not w for w in model.variables)
+                         and "moving_" not in v.name]
+            with tf.compat.v1.Session(graph=model.graph) as session:
+                session.run(model.init)
+                for _ in range(steps):
+                    session.run(model.fetch)
+            row[variant] = sum(v.shape.num_elements() * v.dtype.size for v in state)
+            row["parameter_bytes"] = model.parameter_bytes
+            if variant == "decoupled":
+                summary = decoupling_summary(model.graph)
+                row["buckets"] = len(summary.get("buckets", []))
+                row["decoupled_gradients"] = summary.get("decoupled", 0)
+        rows[name] = row
+    gathered = hvd.allgather_object(rows)
+    if hvd.rank() == 0:
+        result = {}
+        for name in models:
+            per_rank = [ranks_rows[name]["decoupled"] for ranks_rows in gathered]
+            plain = gathered[0][name]["horovod"]
+            result[name] = {"ranks": hvd.size(), "horovod_bytes": plain,
+                            "decoupled_bytes_per_rank": per_rank,
+                            "largest_ratio": max(per_rank) / plain if plain else None,
+                            "parameter_bytes": gathered[0][name]["parameter_bytes"],
+                            "buckets": gathered[0][name]["buckets"],
+                            "decoupled_gradients": gathered[0][name]["decoupled_gradients"]}
+        print(json.dumps(result), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--models", default="resnet50,transformer")
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    models = args.models.split(",")
+    if "HOROVOD_RANK" in os.environ:
+        _rank_main(models, args.steps)
+        return 0
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tfoverlap.testbed.horovod_launch import run_horovod
+    from tfoverlap.testbed.network import EmulatedNetwork
+    with EmulatedNetwork(args.ranks, loopback=True) as network:
+        result = run_horovod(network, args.ranks, [sys.executable, os.path.abspath(__file__),
+                                                   "--models", args.models,
+                                                   "--steps", str(args.steps)],
+                             controller="gloo", timeout=1800)
+    line = next((line for output in result.outputs for line in output.splitlines()
+                 if line.startswith("{")), None)
+    if result.returncode != 0 or line is None:
+        print("\n".join(output[-2000:] for output in result.outputs), file=sys.stderr)
+        return 1
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
