@@ -35,7 +35,7 @@ def _rank_main(models, steps: int) -> None:
                 distributed = tfo_hvd
             model = build_model(name, 2, 0, "/cpu:0", True, seed=0, wrap_optimizer=lambda _,
                                 distributed=distributed: distributed.DistributedOptimizer(
-                                    tf.compat.v1.train.AdamOptimizer(1e-4)))
+                                    tf.compat.v1.train.AdamOptimizer(1e-4), sparse_as_dense=True))
             tfo_hvd.configure()
             with model.graph.as_default():
                 state = [v for v in tf.compat.v1.global_variables()
@@ -53,19 +53,23 @@ def _rank_main(models, steps: int) -> None:
                 row["buckets"] = len(summary.get("buckets", []))
                 row["decoupled_gradients"] = summary.get("decoupled", 0)
         rows[name] = row
-    gathered = hvd.allgather_object(rows)
-    if hvd.rank() == 0:
-        result = {}
-        for name in models:
-            per_rank = [ranks_rows[name]["decoupled"] for ranks_rows in gathered]
-            plain = gathered[0][name]["horovod"]
-            result[name] = {"ranks": hvd.size(), "horovod_bytes": plain,
-                            "decoupled_bytes_per_rank": per_rank,
-                            "largest_ratio": max(per_rank) / plain if plain else None,
-                            "parameter_bytes": gathered[0][name]["parameter_bytes"],
-                            "buckets": gathered[0][name]["buckets"],
-                            "decoupled_gradients": gathered[0][name]["decoupled_gradients"]}
-        print(json.dumps(result), flush=True)
+    with open(os.path.join(os.environ["OPTIMIZER_MEMORY_RECORDS"],
+                           f"rank-{hvd.rank()}.json"), "w") as stream:
+        json.dump(rows, stream)
+
+
+def _summary(models, records) -> dict:
+    result = {}
+    for name in models:
+        per_rank = [rows[name]["decoupled"] for rows in records]
+        plain = records[0][name]["horovod"]
+        result[name] = {"ranks": len(records), "horovod_bytes": plain,
+                        "decoupled_bytes_per_rank": per_rank,
+                        "largest_ratio": max(per_rank) / plain if plain else None,
+                        "parameter_bytes": records[0][name]["parameter_bytes"],
+                        "buckets": records[0][name]["buckets"],
+                        "decoupled_gradients": records[0][name]["decoupled_gradients"]}
+    return result
 
 
 def main() -> int:
@@ -79,19 +83,25 @@ def main() -> int:
         _rank_main(models, args.steps)
         return 0
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import tempfile
+
     from tfoverlap.testbed.horovod_launch import run_horovod
     from tfoverlap.testbed.network import EmulatedNetwork
-    with EmulatedNetwork(args.ranks, loopback=True) as network:
+    with tempfile.TemporaryDirectory() as records, \
+            EmulatedNetwork(args.ranks, loopback=True) as network:
         result = run_horovod(network, args.ranks, [sys.executable, os.path.abspath(__file__),
                                                    "--models", args.models,
                                                    "--steps", str(args.steps)],
-                             controller="gloo", timeout=1800)
-    line = next((line for output in result.outputs for line in output.splitlines()
-                 if line.startswith("{")), None)
-    if result.returncode != 0 or line is None:
-        print("\n".join(output[-2000:] for output in result.outputs), file=sys.stderr)
-        return 1
-    print(line)
+                             controller="gloo", timeout=1800,
+                             env={"OPTIMIZER_MEMORY_RECORDS": records})
+        if result.returncode != 0:
+            print("\n".join(output[-2000:] for output in result.outputs), file=sys.stderr)
+            return 1
+        rows = []
+        for rank in range(args.ranks):
+            with open(os.path.join(records, f"rank-{rank}.json")) as stream:
+                rows.append(json.load(stream))
+    print(json.dumps(_summary(models, rows)))
     return 0
 
 

@@ -256,13 +256,16 @@ def predicted_step(variant: str, caramel: dict) -> float:
     """The step Caramel's simulation predicted for ``variant`` (seconds as planned; NaN
     where nothing predicts it): its plan's step for a Caramel variant that planned, the
     step under Horovod's own fusion for Horovod's defaults and for a Caramel variant that
-    stepped aside; with gradients deferred, the step predicted with them deferred."""
+    stepped aside; with gradients deferred (or decoupled), the step predicted so."""
     summaries = {name: summary for name, summary in (caramel or {}).items() if summary}
     if variant in CARAMEL_VARIANTS:
         summary = summaries.get(variant) or {}
         deferral = summary.get("cross_step") or {}
+        decoupled = summary.get("decouple") or {}
         if deferral.get("deferred"):
             return float(deferral["predicted_step_ms"]) / 1e3
+        if decoupled.get("decoupled"):
+            return float(decoupled["predicted_step_ms"]) / 1e3
         key = "predicted_horovod_step_s" if summary.get("declined") else "predicted_step_s"
         return float(summary.get(key, math.nan))
     if variant in ("horovod", "horovod_again"):
@@ -328,6 +331,11 @@ def summarize(result: dict) -> list[dict]:
         if deferral.get("deferred"):
             rows[-1].update(deferred_gradients=deferral["deferred"],
                             deferred_mb=deferral.get("deferred_bytes", 0) / 1e6)
+        decoupled = caramel.get("decouple") or {}
+        if decoupled.get("decoupled"):
+            rows[-1].update(decoupled_gradients=decoupled["decoupled"],
+                            reduce_scatter_buckets=len(decoupled.get("buckets", [])),
+                            gather_requests=len(decoupled.get("gathers", [])))
         if math.isfinite(predicted):
             rows[-1].update(predicted_s=predicted,
                             prediction_error=predicted / spread.median - 1)

@@ -34,7 +34,8 @@ def write_csv(rows: list[dict], path: str) -> None:
 RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "declined",
                 "emulated", "dilation", "host_busy", "worker_cpu_share", "breakdown",
                 "predicted_s", "prediction_error", "round_low", "round_high",
-                "deferred_gradients", "deferred_mb", "api", "steps_per_execution",
+                "deferred_gradients", "deferred_mb", "decoupled_gradients",
+                "reduce_scatter_buckets", "gather_requests", "api", "steps_per_execution",
                 "drain_ms", "order_concordance", "command", "date")
 #: PS rows: per PS count; Keras rows (api "keras") and TF2 PS rows (api "ps_strategy")
 #: apart from graph-mode ones (no api), and per steps_per_execution
