@@ -105,7 +105,7 @@ def test_the_simulated_step_gathers_before_each_layer_and_scatters_after_its_gra
     assert len(plan.variables) == 6 and None not in plan.variables
     assert sorted(i for chunk in plan.gather_chunks for i in chunk) == list(
         range(len(plan.buckets)))
-    problem = plan.problem(op_seconds, *network, threads=2)
+    problem = plan.problem(op_seconds, 4, threads=2)
     schedule = simulate(problem)
     collectives = np.flatnonzero(problem.kind == COLLECTIVE)
     gathers, scatters = (collectives[:len(plan.gather_chunks)],
@@ -121,7 +121,7 @@ def test_the_simulated_step_gathers_before_each_layer_and_scatters_after_its_gra
                              for t in waits)
     assert plan.predicted_step == pytest.approx(schedule.makespan)
     assert plan.predicted_step < plan.horovod_step
-    free = simulate(plan.problem({}, *network, threads=2))
+    free = simulate(plan.problem({}, 4, threads=2))
     total = sum(plan.plan.sizes)
     assert free.makespan == pytest.approx(
         ring_allreduce_seconds(total, 4, 125e6, 0.0)
@@ -154,8 +154,7 @@ def records(tmp_path_factory):
                              timeout=600, env={"DECOUPLED_RECORDS": str(directory),
                                                "DECOUPLED_STEPS": str(STEPS)})
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-    return [json.loads((directory / f"rank-{rank}.json").read_text())["records"]
-            for rank in range(2)]
+    return [json.loads((directory / f"rank-{rank}.json").read_text()) for rank in range(2)]
 
 
 @pytest.mark.parametrize("run", ["chain/sgd", "chain/momentum", "chain/adam",
@@ -166,7 +165,7 @@ def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_stat
     which starts no collective) and the final weights are plain Horovod's; the optimizer
     state on each rank is half of Horovod's (2 ranks), plus at most a padding element per
     bucket and slot."""
-    for rank, record in enumerate(records):
+    for rank, record in enumerate(record["records"] for record in records):
         plain, decoupled = record[run]["horovod"], record[run]["decoupled"]
         assert "error" not in plain and "error" not in decoupled, (rank, decoupled)
         assert decoupled["decoupled"]["decoupled"] >= 2, decoupled["decoupled"]
@@ -182,10 +181,34 @@ def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_stat
 
 
 def test_gradients_changed_after_the_reduction_are_refused_in_one_warning(records):
-    for record in records:
+    for record in (record["records"] for record in records):
         plain, decoupled = (record["chain/momentum/clip"]["horovod"],
                             record["chain/momentum/clip"]["decoupled"])
         assert decoupled["decoupled"] == {}
         assert len(decoupled["warnings"]) == 1
         assert "is not the reduced gradient" in decoupled["warnings"][0]
         assert decoupled["losses"] == plain["losses"] and decoupled["final"] == plain["final"]
+
+
+def test_the_halves_are_measured_on_rank_0_and_planned_with_on_every_rank(records,
+                                                                          chain_graph):
+    """Each rank gets rank 0's reduce-scatter and all-gather fits; a plan given a slower
+    reduce-scatter predicts a slower step, and with free compute its ring time is the
+    measured halves' sum."""
+    from tfoverlap.planning.decoupled import plan_decoupled, reduce_scatter_seconds
+    from tfoverlap.sim.engine import simulate
+    halves = [record["halves"] for record in records]
+    assert halves[0] == halves[1]
+    assert all(value > 0 and np.isfinite(value) for pair in halves[0].values()
+               for value in pair)
+    _, graph_def = chain_graph
+    op_seconds = {node.name: 0.002 for node in graph_def.node}
+    even = plan_decoupled(graph_def, 4, 125e6, 50e-6, op_seconds, threads=2)
+    slow = plan_decoupled(graph_def, 4, 125e6, 50e-6, op_seconds, threads=2,
+                          scatter=(125e6 / 4, 50e-6), gather=(125e6, 1e-3))
+    assert slow.predicted_step > even.predicted_step
+    free = simulate(slow.problem({}, 4, threads=2)).makespan
+    assert free == pytest.approx(
+        sum(reduce_scatter_seconds(b.size, 4, 125e6 / 4, 50e-6) for b in slow.buckets)
+        + sum(reduce_scatter_seconds(sum(slow.buckets[i].size for i in chunk), 4, 125e6,
+                                     1e-3) for chunk in slow.gather_chunks))

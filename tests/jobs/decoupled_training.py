@@ -22,6 +22,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
 from tfoverlap.horovod.decoupled import decoupling_summary  # noqa: E402
+from tfoverlap.horovod.measure import measure_halves  # noqa: E402
 
 STEPS = int(os.environ.get("DECOUPLED_STEPS", "100"))
 # A slow link and slow compute: the plan has a backward pass to overlap.
@@ -140,8 +141,10 @@ def main():
             entry[variant]["warnings"] = caught.messages
         records[f"{model}/{optimizer_name}" + ("/clip" if clip else "")] = entry
     path = os.path.join(os.environ["DECOUPLED_RECORDS"], f"rank-{RANK}.json")
+    halves = measure_halves(repeats=2)
     with open(path, "w") as stream:
-        json.dump({"rank": RANK, "size": hvd.size(), "records": records}, stream)
+        json.dump({"rank": RANK, "size": hvd.size(), "records": records,
+                   "halves": halves}, stream)
     print(f"rank {RANK} done", flush=True)
 
 

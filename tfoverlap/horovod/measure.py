@@ -13,8 +13,30 @@ import numpy as np
 
 from tfoverlap.log import logger
 
-__all__ = ["measure_network", "measure_flops", "host_facts", "warmup_profile",
+__all__ = ["measure_network", "measure_halves", "measure_flops", "host_facts", "warmup_profile",
            "bytes_from_rank0", "EMULATION_OPTIONS"]
+
+
+def _median_seconds(run, repeats: int) -> float:
+    """The median time of ``repeats`` calls of ``run``, after one untimed."""
+    run()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    return float(np.median(times))
+
+
+def _alpha_beta(small_seconds: float, large_seconds: float, small_bytes: int,
+                large_bytes: int, ranks: int, steps: int) -> tuple[float, float]:
+    """(bandwidth, latency) of a ring collective of ``steps`` steps, each moving 1/ranks of
+    the bytes, fitted to its times at two sizes: ``steps * latency + steps / ranks * bytes
+    / bandwidth``."""
+    latency = max(small_seconds / steps, 1e-6)
+    bandwidth = steps / ranks * (large_bytes - small_bytes) / max(
+        large_seconds - small_seconds, 1e-6)
+    return bandwidth, latency
 
 
 def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
@@ -27,21 +49,11 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
     ranks = hvd.size()
     if ranks < 2:
         return 125e6, 50e-6
-    steps = 2 * (ranks - 1)
 
     def measure(run_small, run_large, agree):
-        timed = []
-        for run in (run_small, run_large):
-            times = []
-            for _ in range(repeats + 1):
-                began = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - began)
-            timed.append(float(np.median(times[1:])))
-        small, large = timed
-        latency = max(small / steps, 1e-6)
-        bandwidth = steps / ranks * (large_bytes - small_bytes) / max(large - small, 1e-6)
-        return agree(np.array([bandwidth, latency]))
+        return agree(np.array(_alpha_beta(_median_seconds(run_small, repeats),
+                                          _median_seconds(run_large, repeats), small_bytes,
+                                          large_bytes, ranks, 2 * (ranks - 1))))
 
     small = np.ones(small_bytes // 4, np.float32)
     large = np.ones(large_bytes // 4, np.float32)
@@ -66,6 +78,42 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
                              lambda: session.run(large_op, {inputs[1]: large}),
                              lambda found: session.run(agreed, {values: found}))
     return float(result[0]), float(result[1])
+
+
+def measure_halves(small_bytes: int = 4096, large_bytes: int = 8 << 20,
+                   repeats: int = 5) -> dict:
+    """{"scatter": (bandwidth, latency), "gather": (bandwidth, latency)} of Horovod's
+    reduce-scatter and all-gather (graph mode), fitted like :func:`measure_network` with
+    n - 1 steps each, the bytes counted whole (the all-gather's output); rank 0's values,
+    on every rank. Decoupled reduction plans with them: a library's halves need not cost
+    half an AllReduce each (Gloo's reduce-scatter is not a ring)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    ranks = hvd.size()
+    if ranks < 2:
+        return {"scatter": (250e6, 50e-6), "gather": (250e6, 50e-6)}
+    sizes = [max(ranks, size // 4 // ranks * ranks) for size in (small_bytes, large_bytes)]
+    with tf.Graph().as_default() as graph:
+        wholes = [tf.compat.v1.placeholder(tf.float32, [size]) for size in sizes]
+        shards = [tf.compat.v1.placeholder(tf.float32, [size // ranks]) for size in sizes]
+        scatters = [tf.reduce_sum(hvd.reducescatter(tensor, op=hvd.Sum,
+                                                    name=f"tfoverlap_measure_scatter{i}"))
+                    for i, tensor in enumerate(wholes)]
+        gathers = [tf.reduce_sum(hvd.allgather(tensor, name=f"tfoverlap_measure_gather{i}"))
+                   for i, tensor in enumerate(shards)]
+        values = tf.compat.v1.placeholder(tf.float64, [4])
+        agreed = hvd.broadcast(values, 0, name="tfoverlap_measure_halves")
+    fits = []
+    with tf.compat.v1.Session(graph=graph) as session:
+        for ops, fed in ((scatters, wholes), (gathers, shards)):
+            seconds = [_median_seconds(
+                lambda op=op, tensor=tensor: session.run(
+                    op, {tensor: np.ones(tensor.shape.as_list(), np.float32)}), repeats)
+                for op, tensor in zip(ops, fed)]
+            fits.extend(_alpha_beta(*seconds, 4 * sizes[0], 4 * sizes[1], ranks, ranks - 1))
+        result = session.run(agreed, {values: np.array(fits)})
+    return {"scatter": (float(result[0]), float(result[1])),
+            "gather": (float(result[2]), float(result[3]))}
 
 
 def _array_from_rank0(values: np.ndarray, name: str) -> np.ndarray:

@@ -7,7 +7,7 @@ import logging
 import os
 
 from tfoverlap.horovod.measure import EMULATION_OPTIONS, warmup_profile
-from tfoverlap.horovod.settings import caramel_options, wrapper_option
+from tfoverlap.horovod.settings import caramel_options, decoupled_network, wrapper_option
 from tfoverlap.log import logger
 
 __all__ = ["schedule_in_place", "defer_and_schedule", "plan_deferral",
@@ -191,7 +191,9 @@ def plan_decoupling(graph_def, own: dict, count: int,
     decision = {"mode": "auto" if mode == "auto" else "on", "decoupled": 0}
     try:
         options = parse_options(caramel_options())
-        plan, _ = plan_decoupled_for_graph(graph_def, options)
+        halves = decoupled_network() or {}
+        plan, _ = plan_decoupled_for_graph(graph_def, options, halves.get("scatter"),
+                                           halves.get("gather"))
     except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
         logger.warning("tfoverlap: decouple: no plan (%s: %s); nothing decoupled",
                        type(error).__name__, error)
@@ -213,7 +215,8 @@ def plan_decoupling(graph_def, own: dict, count: int,
     if missing:
         buckets.append(missing)
         gathers = [[len(buckets) - 1] + (gathers[0] if gathers else [])] + gathers[1:]
-    decision.update(predicted_step_ms=round(plan.predicted_step * 1e3, 3),
+    decision.update(scatter=list(plan.scatter), gather=list(plan.gather),
+                    predicted_step_ms=round(plan.predicted_step * 1e3, 3),
                     horovod_step_ms=round(plan.horovod_step * 1e3, 3),
                     in_step_ms=round(plan.caramel_step * 1e3, 3),
                     cross_step_ms=round(plan.cross_step_step * 1e3, 3),

@@ -2,11 +2,12 @@
 what was measured once (:mod:`tfoverlap.horovod.measure`)."""
 from __future__ import annotations
 
-from tfoverlap.horovod.measure import host_facts, measure_flops, measure_network
+from tfoverlap.horovod.measure import (host_facts, measure_flops, measure_halves,
+                                       measure_network)
 from tfoverlap.log import logger
 
 __all__ = ["configure", "network_model", "caramel_options", "wrapper_option",
-           "wrapper_options"]
+           "wrapper_options", "decoupled_network"]
 
 _configured: dict = {}
 _configured_wrapper: dict = {}
@@ -104,3 +105,17 @@ def caramel_options() -> dict:
         options.setdefault("cycle_ms", _measured["cycle_ms"])
     return options
 
+
+
+def decoupled_network() -> dict | None:
+    """{"scatter": (bandwidth, latency), "gather": ...}: what decoupled reduction plans its
+    reduce-scatters and all-gathers with, measured once (:func:`measure_halves`); None
+    where the network was configured (then each is half the configured AllReduce)."""
+    if "bandwidth" in _configured or "latency" in _configured:
+        return None
+    if "halves" not in _measured:
+        _measured["halves"] = measure_halves()
+        logger.info("tfoverlap: measured reduce-scatter %.3g B/s, %.3g s; all-gather "
+                    "%.3g B/s, %.3g s", *_measured["halves"]["scatter"],
+                    *_measured["halves"]["gather"])
+    return _measured["halves"]

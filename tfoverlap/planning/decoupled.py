@@ -56,6 +56,8 @@ class DecoupledPlan:
     variables: list[int | None]         # per gradient: the variable node it updates
     readers: dict                       # variable node -> its forward reads
     updates: set                        # the ops that update the variables
+    scatter: tuple[float, float]        # (bandwidth, latency) a reduce-scatter is priced at
+    gather: tuple[float, float]         # the same for an all-gather
     predicted_step: float = math.nan    # decoupled, simulated (seconds)
     horovod_step: float = math.nan      # Horovod's own fusion, simulated
     caramel_step: float = math.nan      # Caramel's in-step plan, simulated
@@ -68,13 +70,12 @@ class DecoupledPlan:
         best = min(self.horovod_step, self.caramel_step, self.cross_step_step)
         return 1.0 - self.predicted_step / best if best > 0 else 0.0
 
-    def problem(self, op_seconds: dict, ranks: int, bandwidth: float, latency: float,
-                threads: int, compute_scale: float = 1.0,
+    def problem(self, op_seconds: dict, ranks: int, threads: int, compute_scale: float = 1.0,
                 collective_scale: float = 1.0) -> Problem:
         """The plan's step as simulator tasks (:func:`decoupled_problem`)."""
         return decoupled_problem(self.plan, self.buckets, self.gather_chunks, self.variables,
-                                 self.readers, self.updates, op_seconds, ranks, bandwidth,
-                                 latency, threads, compute_scale, collective_scale)
+                                 self.readers, self.updates, op_seconds, ranks, self.scatter,
+                                 self.gather, threads, compute_scale, collective_scale)
 
 
 def reduce_scatter_buckets(sizes, ready, ranks: int, bandwidth: float, latency: float,
@@ -129,14 +130,16 @@ def gather_chunks(sizes, chunks: int = 4) -> list[list[int]]:
 
 def decoupled_problem(plan: AllreducePlan, buckets: list[Bucket], gathers: list[list[int]],
                       variables, readers: dict, updates: set, op_seconds: dict, ranks: int,
-                      bandwidth: float, latency: float, threads: int,
-                      compute_scale: float = 1.0, collective_scale: float = 1.0) -> Problem:
+                      scatter: tuple[float, float], gather: tuple[float, float],
+                      threads: int, compute_scale: float = 1.0,
+                      collective_scale: float = 1.0) -> Problem:
     """One steady-state step, decoupled, as simulator tasks.
 
     The all-gathers of the previous step's updates (``gathers``: runs of bucket indices) are
-    ready at the step's start and go first on the ring, in order; each variable's readers
-    wait for the all-gather of its bucket.
-    The reduce-scatters follow, each when its gradients are ready; each gradient's update
+    ready at the step's start and go first on the ring, in order, each priced with
+    ``gather`` (bandwidth, latency: :func:`reduce_scatter_seconds`); each variable's
+    readers wait for the all-gather of its bucket. The reduce-scatters (priced with
+    ``scatter``) follow, each when its gradients are ready; each gradient's update
     waits for its bucket's, and the ``updates`` (ops) cost 1/``ranks`` of their time on
     the whole variable."""
     model = plan.model
@@ -159,19 +162,18 @@ def decoupled_problem(plan: AllreducePlan, buckets: list[Bucket], gathers: list[
         return len(kind) - 1
 
     for number, chunk in enumerate(gathers):
-        gather = collective(reduce_scatter_seconds(sum(buckets[i].size for i in chunk),
-                                                   ranks, bandwidth, latency),
-                            number - len(gathers))
+        task = collective(reduce_scatter_seconds(sum(buckets[i].size for i in chunk),
+                                                 ranks, *gather), number - len(gathers))
         for piece in (piece for index in chunk for piece in buckets[index].pieces):
-            successors[gather].extend(readers.get(variables[piece.gradient], []))
+            successors[task].extend(readers.get(variables[piece.gradient], []))
     for number, bucket in enumerate(buckets):
-        scatter = collective(reduce_scatter_seconds(bucket.size, ranks, bandwidth, latency),
-                             model.num_nodes + number)
+        task = collective(reduce_scatter_seconds(bucket.size, ranks, *scatter),
+                          model.num_nodes + number)
         for node in dict.fromkeys(plan.nodes[piece.gradient] for piece in bucket.pieces):
             for pred in dict.fromkeys(model.predecessors(node)):
-                successors[pred].append(scatter)
-            successors[scatter].append(node)
-    link = np.array([float(bandwidth)])
+                successors[pred].append(task)
+            successors[task].append(node)
+    link = np.array([float(scatter[0])])     # collectives take their own times
     return Problem(kind=np.array(kind, dtype=np.int8),
                    resource=np.zeros(len(kind), np.int64), work=np.array(work),
                    successors=successors, priority=np.array(priority, dtype=float),
@@ -188,11 +190,15 @@ def plan_decoupled(graph_def, ranks: int, bandwidth: float, latency: float,
                    op_seconds: dict | None = None, threads: int = 2,
                    tensor_sizes: dict | None = None,
                    max_bucket_bytes: float = math.inf,
-                   split_bytes: float = SPLIT_BYTES) -> DecoupledPlan:
+                   split_bytes: float = SPLIT_BYTES,
+                   scatter: tuple[float, float] | None = None,
+                   gather: tuple[float, float] | None = None) -> DecoupledPlan:
     """The decoupled plan of a Horovod graph and its predicted step, beside Horovod's own
     fusion, Caramel's in-step plan (which splits gradients larger than ``split_bytes``)
     and cross-step overlap, on the same op times. ``max_bucket_bytes`` caps the
-    reduce-scatter buckets too.
+    reduce-scatter buckets too. ``scatter`` and ``gather``: the (bandwidth, latency) of a
+    reduce-scatter and of an all-gather (:func:`reduce_scatter_seconds`) where they were
+    measured; by default each is half the ring AllReduce of ``bandwidth`` and ``latency``.
 
     Raises:
       ValueError: the graph has no AllReduce to decouple.
@@ -205,12 +211,14 @@ def plan_decoupled(graph_def, ranks: int, bandwidth: float, latency: float,
     times = allreduce_gradients(graph_def, op_seconds, threads, tensor_sizes,
                                 (ranks, bandwidth, latency))
     variables, readers, updates = gathered_variables(times.model, times.nodes)
+    scatter = scatter or (bandwidth, latency)
+    gather = gather or (bandwidth, latency)
     result = None
     # The bucket dynamic program sees the reduce-scatters alone; on the ring they follow
     # the all-gathers, so where requests are dear larger buckets win. The plan is the
     # fastest, in a simulation of the whole step, of the bucket caps and request counts.
     for cap in dict.fromkeys(min(max_bucket_bytes, cap) for cap in _BUCKET_CAPS):
-        buckets = reduce_scatter_buckets(times.sizes, times.ready, ranks, bandwidth, latency,
+        buckets = reduce_scatter_buckets(times.sizes, times.ready, ranks, *scatter,
                                          times.tails, threads, cap)
         in_ready_order = AllreducePlan("decoupled", times.model, times.nodes, times.sizes,
                                        times.ready, times.tails, buckets, times.producers,
@@ -221,9 +229,9 @@ def plan_decoupled(graph_def, ranks: int, bandwidth: float, latency: float,
             gathers = [[needed[i] for i in chunk]
                        for chunk in gather_chunks([buckets[i].size for i in needed], requests)]
             candidate = DecoupledPlan(in_ready_order, buckets, gathers, variables, readers,
-                                      updates)
-            candidate.predicted_step = simulate(candidate.problem(
-                op_seconds, ranks, bandwidth, latency, threads)).makespan
+                                      updates, scatter, gather)
+            candidate.predicted_step = simulate(candidate.problem(op_seconds, ranks,
+                                                                  threads)).makespan
             if result is None or candidate.predicted_step < result.predicted_step * (1 - 1e-9):
                 result = candidate
     result.caramel_step = plan.predicted_step
@@ -236,13 +244,16 @@ def plan_decoupled(graph_def, ranks: int, bandwidth: float, latency: float,
     return result
 
 
-def plan_decoupled_for_graph(graph_def, options) -> tuple[DecoupledPlan, PlanInputs]:
+def plan_decoupled_for_graph(graph_def, options, scatter: tuple[float, float] | None = None,
+                             gather: tuple[float, float] | None = None,
+                             ) -> tuple[DecoupledPlan, PlanInputs]:
     """(plan, what it was planned with) for ``graph_def`` under ``options``, with the op
     times and network Caramel's in-step plan uses (its bucket cap, for AllReduces that
     pipeline with their copies, is not the decoupled plan's); ``tfoverlap schedule --algo
-    decoupled`` shows it."""
+    decoupled`` shows it. ``scatter``, ``gather``: as :func:`plan_decoupled`'s."""
     inputs, op_seconds, tensor_sizes = planning_inputs(graph_def, options)
     plan = plan_decoupled(graph_def, inputs.ranks, link_bandwidth(options),
                           inputs.request_latency(options), op_seconds, inputs.threads,
-                          tensor_sizes, split_bytes=options.split_bytes)
+                          tensor_sizes, split_bytes=options.split_bytes, scatter=scatter,
+                          gather=gather)
     return plan, inputs

@@ -27,8 +27,8 @@ def predict_allreduce(graph_def, scenario: Scenario, algorithm: str, profile) ->
         collectives = 2 * len(decoupled.buckets)
 
         def run(compute_scale: float = 1.0, collective_scale: float = 1.0) -> Problem:
-            return decoupled.problem(op_seconds, *network, scenario.threads, compute_scale,
-                                     collective_scale)
+            return decoupled.problem(op_seconds, scenario.workers, scenario.threads,
+                                     compute_scale, collective_scale)
     else:
         plan = plan_allreduce(graph_def, algorithm, *network, op_seconds, scenario.threads)
         collectives = len(plan.buckets)
