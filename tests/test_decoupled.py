@@ -190,6 +190,17 @@ def test_gradients_changed_after_the_reduction_are_refused_in_one_warning(record
         assert decoupled["losses"] == plain["losses"] and decoupled["final"] == plain["final"]
 
 
+def test_auto_below_min_gain_declines_and_cross_step_overlap_takes_over(records):
+    for record in (record["records"] for record in records):
+        plain, declined = (record["chain/momentum/declined"]["horovod"],
+                           record["chain/momentum/declined"]["declined"])
+        assert "error" not in declined, declined
+        assert declined["decoupled"] == {} and declined["deferred"]["deferred"] >= 1
+        assert declined["warnings"] == []
+        assert declined["losses"] == plain["losses"] and declined["final"] == plain["final"]
+        assert declined["validations"] == plain["validations"]
+
+
 def test_the_halves_are_measured_on_rank_0_and_planned_with_on_every_rank(records,
                                                                           chain_graph):
     """Each rank gets rank 0's reduce-scatter and all-gather fits; a plan given a slower

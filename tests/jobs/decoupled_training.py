@@ -4,8 +4,9 @@ all-gather under the next forward pass) from the same initial weights, with SGD,
 Momentum on a decayed rate and Adam. Between steps every rank computes a validation
 loss, and rank 0 alone another one (neither may start a collective).
 
-Writes one JSON record per rank (to $DECOUPLED_RECORDS/rank-N.json): per model,
-optimizer and variant, the losses, the validation values, the final weights, the bytes of
+Also: gradients clipped after the reduction (refused), and decouple="auto" below min_gain
+(declined, cross-step overlap instead). Writes one JSON record per rank (to
+$DECOUPLED_RECORDS/rank-N.json): per model, optimizer and variant, the losses, the validation values, the final weights, the bytes of
 optimizer state on this rank, what was decoupled and tfoverlap's warnings.
 """
 import json
@@ -22,6 +23,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
 from tfoverlap.horovod.decoupled import decoupling_summary  # noqa: E402
+from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
 from tfoverlap.horovod.measure import measure_halves  # noqa: E402
 
 STEPS = int(os.environ.get("DECOUPLED_STEPS", "100"))
@@ -71,6 +73,10 @@ def train(model, optimizer_name, variant, inputs, labels, validation, clip=False
     if variant == "decoupled":
         tfo_hvd.configure(decouple=True, cross_step=False, **OPTIONS)
         distributed = tfo_hvd
+    elif variant == "declined":     # "auto" below min_gain: cross-step overlap instead
+        tfo_hvd.configure(decouple="auto", cross_step=True, min_gain=0.99,
+                          **{**OPTIONS, "bandwidth": "4Mbit", "flops": 2.5e6})
+        distributed = tfo_hvd
     else:
         distributed = hvd
     graph = tf.Graph()
@@ -116,6 +122,7 @@ def train(model, optimizer_name, variant, inputs, labels, validation, clip=False
         record["optimizer_bytes"] = int(sum(v.shape.num_elements() * 4 for v in state
                                             if v.shape.num_elements() > 1))
     record["decoupled"] = decoupling_summary(graph)
+    record["deferred"] = deferral_summary(graph)
     tfo_hvd.configure()
     return record
 
@@ -128,10 +135,12 @@ def main():
                   VALIDATION.integers(0, 10, size=32))
     caught = Warnings()
     logging.getLogger("tfoverlap").addHandler(caught)
-    runs = [(model, name, False) for model in MODELS for name in OPTIMIZERS]
-    for model, optimizer_name, clip in runs + [(m, o, True) for m, o in CLIPPED]:
+    runs = [(model, name, False, "decoupled") for model in MODELS for name in OPTIMIZERS]
+    runs += [(model, name, True, "decoupled") for model, name in CLIPPED]
+    runs += [("chain", "momentum", False, "declined")]
+    for model, optimizer_name, clip, other in runs:
         entry = {}
-        for variant in ("horovod", "decoupled"):
+        for variant in ("horovod", other):
             caught.messages = []
             try:
                 entry[variant] = train(model, optimizer_name, variant, inputs, labels,
@@ -139,7 +148,8 @@ def main():
             except Exception as error:  # noqa: BLE001 - recorded for the test
                 entry[variant] = {"error": f"{type(error).__name__}: {error}"}
             entry[variant]["warnings"] = caught.messages
-        records[f"{model}/{optimizer_name}" + ("/clip" if clip else "")] = entry
+        records[f"{model}/{optimizer_name}" + ("/clip" if clip else "")
+                + ("/declined" if other == "declined" else "")] = entry
     path = os.path.join(os.environ["DECOUPLED_RECORDS"], f"rank-{RANK}.json")
     halves = measure_halves(repeats=2)
     with open(path, "w") as stream:

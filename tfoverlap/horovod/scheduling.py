@@ -56,12 +56,13 @@ def schedule_in_place(graph, gradients=(), cross_step: dict | None = None,
 
 
 def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, variables,
-                        reduced, allreduces, gradients):
+                        reduced, allreduces, gradients, decouple: dict | None = None):
     """cross_step: builds the step with the updates of the gradients that become ready
     last deferred to the next step (:mod:`tfoverlap.horovod.deferred`), then plans the
     rest of the step; returns the train op. ``mode`` "auto" defers where the predicted
     step gains at least min_gain over the in-step plan's; True wherever a reduction fits
-    under the forward pass."""
+    under the forward pass. ``decouple``: decoupling's decision, where it decoupled
+    nothing (for the report)."""
     from tfoverlap.horovod.deferred import defer_updates
     graph = grads_and_vars[0][1].graph
     # Pair i of grads_and_vars is entry reduced_at[i] of what the reduction returned.
@@ -82,7 +83,7 @@ def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, va
     else:
         logger.info("tfoverlap: cross_step: nothing deferred: %s", decision.get("reason"))
         train = apply_in_step(grads_and_vars)
-    schedule_in_place(graph, gradients, cross_step=decision)
+    schedule_in_place(graph, gradients, cross_step=decision, decouple=decouple)
     return train
 
 
@@ -147,7 +148,8 @@ def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads,
     """decouple: builds the step with the gradients reduce-scattered, each rank's shard
     updated and the parameters all-gathered under the next forward pass
     (:mod:`tfoverlap.horovod.decoupled`), where the plan and the program allow it; else
-    the in-step plan. Returns the train op."""
+    cross-step overlap as configured (:func:`defer_and_schedule`), else the in-step
+    plan. Returns the train op."""
     from tfoverlap.horovod.decoupled import decouple_updates, decoupling_summary
     graph = grads_and_vars[0][1].graph
     reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
@@ -169,6 +171,11 @@ def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads,
         decision["decoupled"] = 0
         decision.setdefault("reason", "outside the contract (see the log line before)")
         logger.info("tfoverlap: decouple: nothing decoupled: %s", decision["reason"])
+        cross_step = wrapper_option("cross_step", "auto")
+        if cross_step:
+            return defer_and_schedule(optimizer, grads_and_vars, apply_in_step, cross_step,
+                                      grads, variables, reduced, allreduces, gradients,
+                                      decouple=decision)
         train = apply_in_step(grads_and_vars)
     else:
         decision["decoupled"] = decoupling_summary(graph).get("decoupled", 0)
