@@ -1,4 +1,6 @@
 """Shared pieces of the test suite."""
+import json
+import os
 import subprocess
 import sys
 
@@ -76,3 +78,28 @@ def horovod_timeline_text(tensors: dict, origin: int, closed: bool = False) -> s
                 events.append({"ph": "E", "ts": end, "pid": pid})
     text = "[\n" + ",\n".join(json.dumps(e) for e in events) + ","
     return text[:-1] + "]" if closed else text
+
+
+PLAIN_PROGRAM = os.path.join(os.path.dirname(__file__), "jobs", "plain_horovod_program.py")
+
+
+def run_plain_program_with_and_without(launch, mode: str):
+    """tests/jobs/plain_horovod_program.py ``mode`` on 2 Gloo ranks in namespaces (each
+    rank's stderr, with tfoverlap's line, comes back), once plainly and once behind
+    ``launch`` (``tfoverlap run ... --``): ({"plain": records, "run": records}, the
+    summary lines of the launched run), a record per rank."""
+    from tfoverlap.testbed.horovod_launch import run_horovod
+    from tfoverlap.testbed.network import EmulatedNetwork
+    records, summaries = {}, []
+    with EmulatedNetwork(2, bandwidth=1.25e9) as network:
+        for variant, prefix in (("plain", []), ("run", list(launch))):
+            result = run_horovod(network, 2, prefix + [sys.executable, PLAIN_PROGRAM, mode],
+                                 controller="gloo", timeout=400)
+            assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+            records[variant] = [json.loads(next(line for line in output.splitlines()
+                                                if line.startswith("{")))
+                                for output in result.outputs]
+            if variant == "run":
+                summaries = [line for output in result.outputs
+                             for line in output.splitlines() if "tfoverlap [" in line]
+    return records, summaries

@@ -10,6 +10,7 @@ import pytest
 
 from tfoverlap.testbed.horovod_launch import run_horovod
 from tfoverlap.testbed.network import EmulatedNetwork
+from tests.helpers import run_plain_program_with_and_without
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_contract.py")
 
@@ -273,9 +274,6 @@ def test_keras_fit_outside_the_contract_defers_nothing_says_why_and_trains_exact
         assert deferred["weights"] == plain["weights"]
 
 
-PLAIN_PROGRAM = os.path.join(os.path.dirname(__file__), "jobs", "plain_horovod_program.py")
-
-
 @pytest.mark.parametrize("mode", ["graph", "keras"])
 def test_under_tfoverlap_run_a_plain_horovod_program_gets_the_wrappers_and_trains_exactly(
         mode):
@@ -285,23 +283,11 @@ def test_under_tfoverlap_run_a_plain_horovod_program_gets_the_wrappers_and_train
     weights are those of the same program without tfoverlap, bit for bit."""
     launch = [sys.executable, "-m", "tfoverlap", "run", "--allreduce", "caramel",
               "--bandwidth", "4Mbit", "--latency", "50e-6", "--flops", "2.5e7", "--"]
-    records = {}
-    # Namespaces (not loopback): each rank's stderr, with tfoverlap's line, comes back.
-    with EmulatedNetwork(2, bandwidth=1.25e9) as network:
-        for variant, prefix in (("plain", []), ("run", launch)):
-            result = run_horovod(network, 2, prefix + [sys.executable, PLAIN_PROGRAM, mode],
-                                 controller="gloo", timeout=400)
-            assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-            records[variant] = [json.loads(next(line for line in output.splitlines()
-                                                if line.startswith("{")))
-                                for output in result.outputs]
-            if variant == "run":
-                summaries = [line for output in result.outputs
-                             for line in output.splitlines() if "tfoverlap [" in line]
-                assert len(summaries) == 2, result.outputs[0][-2000:]
-                # The wrapper decided on cross-step overlap (the Grappler pass alone
-                # has no such decision).
-                assert all("cross-step overlap" in line for line in summaries), summaries
+    records, summaries = run_plain_program_with_and_without(launch, mode)
+    assert len(summaries) == 2, summaries
+    # The wrapper decided on cross-step overlap (the Grappler pass alone has no such
+    # decision).
+    assert all("cross-step overlap" in line for line in summaries), summaries
     for plain, run in zip(records["plain"], records["run"]):
         assert plain["wrapper"].startswith("horovod."), plain["wrapper"]
         assert run["wrapper"].startswith("tfoverlap.horovod"), run["wrapper"]

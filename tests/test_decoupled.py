@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from tfoverlap.costs.network import ring_allreduce_seconds
 from tfoverlap.testbed.horovod_launch import run_horovod
 from tfoverlap.testbed.network import EmulatedNetwork
-from tests.helpers import build_horovod_graph
+from tests.helpers import build_horovod_graph, run_plain_program_with_and_without
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "decoupled_training.py")
 STEPS = 100
@@ -223,3 +223,18 @@ def test_the_halves_are_measured_on_rank_0_and_planned_with_on_every_rank(record
         sum(reduce_scatter_seconds(b.size, 4, 125e6 / 4, 50e-6) for b in slow.buckets)
         + sum(reduce_scatter_seconds(sum(slow.buckets[i].size for i in chunk), 4, 125e6,
                                      1e-3) for chunk in slow.gather_chunks))
+
+
+def test_tfoverlap_run_decouples_an_unchanged_program_and_trains_exactly():
+    """``tfoverlap run --allreduce caramel --decouple true -- python train.py``: the
+    program's DistributedOptimizer decouples (each rank's summary line says so) and its
+    losses and final weights are those of the same program without tfoverlap."""
+    launch = [sys.executable, "-m", "tfoverlap", "run", "--allreduce", "caramel",
+              "--decouple", "true", "--bandwidth", "100Mbit", "--latency", "50e-6",
+              "--flops", "2.5e8", "--"]
+    records, summaries = run_plain_program_with_and_without(launch, "graph")
+    assert len(summaries) == 2 and all("decoupled reduction:" in line
+                                       for line in summaries), summaries
+    for plain, run in zip(records["plain"], records["run"]):
+        assert run["wrapper"].startswith("tfoverlap.horovod"), run["wrapper"]
+        assert run["losses"] == plain["losses"] and run["weights"] == plain["weights"]

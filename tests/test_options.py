@@ -52,6 +52,8 @@ def test_rewriter_config_text_parses_back():
     ({"threads": -1}, "option 'threads' must be 0"),
     ({"cycle_ms": -2}, "option 'cycle_ms' must be non-negative"),
     ({"profile": "/nonexistent/profile.json"}, "does not exist"),
+    ({"decouple": "sometimes"}, "option 'decouple' must be true, false or auto"),
+    ({"cross_step": 2}, "option 'cross_step' must be true, false or auto"),
 ])
 def test_bad_options_are_value_errors_naming_the_problem(options, message):
     with pytest.raises(ValueError, match=message):
@@ -117,3 +119,12 @@ def test_devices_match_field_by_field_everywhere():
         device = stats.dev_stats.add(device=f"/job:worker/replica:0/task:{task}/device:CPU:0")
         device.node_stats.add(node_name=name, op_start_rel_micros=0, op_end_rel_micros=5)
     assert op_durations(stats, "/job:worker/task:1") == {"mine": 5}
+
+
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("AUTO", "auto"), (True, True),
+                                           ("false", False), (0, False)])
+def test_the_horovod_modes_take_true_false_or_auto(value, parsed):
+    from tfoverlap.options import parse_options
+    assert parse_options({"decouple": value}).decouple == parsed
+    assert parse_options({"cross_step": value}).cross_step == parsed
+    tfoverlap.session_config(decouple=value, cross_step=value)     # the plugin takes them

@@ -192,8 +192,10 @@ def _substitute_wrappers(module_name: str, options: dict) -> None:
         else:
             substitute_in_horovod(module, {"DistributedOptimizer":
                                            tfo_hvd.DistributedOptimizer})
-            tfo_hvd.configure(**{name: value for name, value in options.items()
-                                 if name != "allreduce"})
+        modes = {name: getattr(parse_options(options), name)
+                 for name in ("cross_step", "decouple") if name in options}
+        tfo_hvd.configure(**modes, **{name: value for name, value in options.items()
+                                      if name not in ("allreduce", *modes)})
     except Exception as error:  # noqa: BLE001 - the program must run anyway
         print(f"tfoverlap: Horovod's DistributedOptimizer is left in place "
               f"({type(error).__name__}: {error})", file=sys.stderr)

@@ -84,6 +84,13 @@ class Options:
                  measured value).
     threads:     Caramel: a rank's compute threads (TensorFlow's inter-op pool) in the
                  ready-time simulation; 0 takes this host's CPU count.
+    cross_step:  the Horovod wrappers (graph mode, Keras): reduce the gradients that become
+                 ready last under the next step's forward pass. "auto" (default): where
+                 the plan predicts a gain of min_gain; true: wherever one fits; false.
+    decouple:    the graph-mode Horovod wrapper: reduce-scatter the gradients, update each
+                 rank's shard, all-gather the parameters under the next forward pass.
+                 false (default), "auto" (where the plan, with the halves measured,
+                 predicts a gain of min_gain over the other plans) or true.
     cycle_ms:    Caramel: Horovod's cycle time in ms, part of each bucket's cost; 0 takes
                  HOROVOD_CYCLE_TIME, else Horovod's default of 1 ms. Ranks must plan alike:
                  the Horovod wrappers set both to rank 0's values.
@@ -129,6 +136,8 @@ class Options:
     flops: float = 0.0
     threads: int = 0
     cycle_ms: float = 0.0
+    cross_step: bool | str = "auto"
+    decouple: bool | str = False
     strict: bool = False
     report_dir: str = ""
     emulate: str = ""
@@ -319,6 +328,15 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             value = _parse_credit(value)
         elif name in ("strict", "force", "emulate_blocking"):
             value = _as_bool(name, value)
+        elif name in ("cross_step", "decouple"):
+            if isinstance(value, str) and value.strip().lower() == "auto":
+                value = "auto"
+            else:
+                try:
+                    value = _as_bool(name, value)
+                except ValueError:
+                    raise ValueError(f"option {name!r} must be true, false or auto, got "
+                                     f"{value!r}") from None
         parsed[name] = value
     options = Options(**parsed, given=frozenset(parsed))
     if check_files and options.profile:

@@ -1,5 +1,5 @@
-"""A plain Horovod program that never imports tfoverlap (tests/test_cross_step.py runs it
-with and without ``tfoverlap run --allreduce caramel``).
+"""A plain Horovod program that never imports tfoverlap (tests/test_cross_step.py and
+tests/test_decoupled.py run it with and without ``tfoverlap run --allreduce caramel``).
 
 argv[1]: "graph" (TF1, ``hvd.DistributedOptimizer`` around Momentum, 4 session runs) or
 "keras" (``horovod.tensorflow.keras.DistributedOptimizer`` in model.fit with

@@ -121,33 +121,27 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         if not dense:
             return reduced
         gradients = [g for g in grads if isinstance(g, tf.Tensor)]
-        decouple = wrapper_option("decouple", False)
-        if decouple:
-            from tfoverlap.horovod.decoupled import decoupling_refused
-            refused = (decoupling_refused(optimizer, variables, reduced, compression)
-                       if variables is not None else "Horovod did not name the variables")
-            if not refused:
-                pending.update(grads=list(grads), variables=list(variables),
-                               reduced=reduced, allreduces=allreduces, gradients=gradients,
-                               mode=decouple, decouple=True)
-                return reduced
-            logger.log(logging.WARNING if decouple is True else logging.INFO,
-                       "tfoverlap: decouple: %s; not decoupled", refused)
-        mode = wrapper_option("cross_step", "auto")
+        from tfoverlap.horovod.decoupled import decoupling_refused
         decision = None
-        if mode:
-            refused = (deferral_refused(optimizer, variables, reduced, compression)
+        # Decoupled reduction where asked for and possible, else cross-step overlap.
+        for option, default, refusal in (("decouple", False, decoupling_refused),
+                                         ("cross_step", "auto", deferral_refused)):
+            mode = wrapper_option(option, default)
+            if not mode:
+                continue
+            refused = (refusal(optimizer, variables, reduced, compression)
                        if variables is not None else "Horovod did not name the variables")
             if not refused:
                 pending.update(grads=list(grads), variables=list(variables),
                                reduced=reduced, allreduces=allreduces, gradients=gradients,
-                               mode=mode)
+                               mode=mode, decouple=option == "decouple")
                 return reduced
             # Asked for: a warning; on by default: one INFO line.
             logger.log(logging.WARNING if mode is True else logging.INFO,
-                       "tfoverlap: cross_step: %s; the step is planned on its own", refused)
-            decision = {"mode": "on" if mode is True else "auto", "deferred": 0,
-                        "reason": refused}
+                       "tfoverlap: %s: %s; the step is planned without it", option, refused)
+            if option == "cross_step":
+                decision = {"mode": "on" if mode is True else "auto", "deferred": 0,
+                            "reason": refused}
         schedule_in_place(dense[0].graph, gradients, cross_step=decision)
         return reduced
 
