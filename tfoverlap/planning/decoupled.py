@@ -16,7 +16,9 @@ The plan here, on plain data:
 - :func:`gathered_variables`: which variable each gradient updates and which ops read it
   in the forward pass (the ops that wait for its all-gather);
 - :func:`decoupled_problem`: one steady-state step as simulator tasks; its makespan is the
-  predicted step, beside Horovod's and Caramel's (:func:`plan_decoupled`).
+  predicted step. :func:`plan_decoupled` keeps the fastest of a few bucket caps and
+  all-gather request counts, and predicts Horovod's, the in-step plan's and cross-step
+  overlap's steps beside it.
 """
 from __future__ import annotations
 
@@ -29,9 +31,8 @@ from tfoverlap.costs.network import ring_allreduce_seconds
 from tfoverlap.graph.model import GraphModel, is_variable_op
 from tfoverlap.options import link_bandwidth
 from tfoverlap.planning.caramel import (SPLIT_BYTES, AllreducePlan, PlanInputs,
-                                        allreduce_gradients,
-                                        deferred_chunks, deferred_step, growing_runs,
-                                        plan_allreduce, planning_inputs)
+                                        allreduce_gradients, deferred_chunks, deferred_step,
+                                        growing_runs, plan_allreduce, planning_inputs)
 from tfoverlap.schedulers.caramel import Bucket, plan_buckets
 from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 
@@ -50,7 +51,7 @@ def reduce_scatter_seconds(num_bytes, ranks: int, bandwidth: float, latency: flo
 class DecoupledPlan:
     """Buckets index ``plan.nodes`` positions (whole gradients, in ready order)."""
 
-    plan: AllreducePlan                 # Caramel's in-step plan of the same graph
+    plan: AllreducePlan                 # the gradients in ready order; its buckets: ours
     buckets: list[Bucket]               # reduce-scatters, in launch order
     gather_chunks: list[list[int]]      # all-gathers: bucket indices, first needed first
     variables: list[int | None]         # per gradient: the variable node it updates
