@@ -13,6 +13,10 @@ results, with the backward order fixed and the gradients reduced in planned buck
   this thread (:func:`tfoverlap.enable_for_tf_function`), where Grappler has folded the cond.
   Eagerly executed steps have no graph to schedule and run as plain Horovod.
 
+Graph mode also offers cross-step overlap (:mod:`tfoverlap.horovod.deferred`, on where
+the plan predicts a gain) and decoupled reduction (:mod:`tfoverlap.horovod.decoupled`,
+``configure(decouple=...)``, off by default).
+
 The network model (alpha, beta) is what :func:`configure` was given, else it is measured
 once with a few AllReduces of two sizes. Op times come from a profile (``profile=``), from
 a profiled warm-up of the graph being built (``profile_steps=N``, graph mode: N traced
