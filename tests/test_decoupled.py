@@ -145,16 +145,20 @@ def test_the_cli_shows_the_decoupled_plan_beside_the_others(chain_graph, capsys)
     assert [row.split()[0] for row in rows] == ["default", "caramel", "decoupled"]
 
 
+def _job_records(directory, ranks: int, steps: int) -> list[dict]:
+    """Each rank's record of every model, optimizer and variant of the job."""
+    with EmulatedNetwork(ranks, loopback=True) as network:
+        result = run_horovod(network, ranks, [sys.executable, JOB], controller="gloo",
+                             timeout=600, env={"DECOUPLED_RECORDS": str(directory),
+                                               "DECOUPLED_STEPS": str(steps)})
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    return [json.loads((directory / f"rank-{rank}.json").read_text())
+            for rank in range(ranks)]
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    """Each rank's record of every model, optimizer and variant."""
-    directory = tmp_path_factory.mktemp("decoupled_records")
-    with EmulatedNetwork(2, loopback=True) as network:
-        result = run_horovod(network, 2, [sys.executable, JOB], controller="gloo",
-                             timeout=600, env={"DECOUPLED_RECORDS": str(directory),
-                                               "DECOUPLED_STEPS": str(STEPS)})
-    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-    return [json.loads((directory / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    return _job_records(tmp_path_factory.mktemp("decoupled_records"), 2, STEPS)
 
 
 @pytest.mark.parametrize("run", ["chain/sgd", "chain/momentum", "chain/adam",
@@ -178,6 +182,25 @@ def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_stat
         buckets = len(decoupled["decoupled"]["buckets"])
         slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
         assert decoupled["optimizer_bytes"] <= plain["optimizer_bytes"] / 2 + 4 * buckets * slots
+
+
+def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
+    """At 4 ranks the reduce-scatter (Gloo's halving-doubling) adds the ranks' gradients in
+    another order than Horovod's ring: 10 steps stay within a few float32 ulps of plain
+    Horovod (measured: losses 2.1e-7 relative, weights 8e-7), and each rank holds a
+    quarter of the optimizer state."""
+    for record in (record["records"] for record in _job_records(tmp_path, 4, 10)):
+        for run in ("chain/sgd", "chain/momentum", "chain/adam", "convnet/sgd",
+                    "convnet/momentum", "convnet/adam"):
+            plain, decoupled = record[run]["horovod"], record[run]["decoupled"]
+            assert "error" not in decoupled and decoupled["decoupled"]["decoupled"] >= 2
+            np.testing.assert_allclose(decoupled["losses"], plain["losses"], rtol=2e-6)
+            for ours, theirs in zip(decoupled["final"], plain["final"]):
+                np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+            buckets = len(decoupled["decoupled"]["buckets"])
+            slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
+            assert decoupled["optimizer_bytes"] <= (plain["optimizer_bytes"] / 4
+                                                    + 3 * 4 * buckets * slots)
 
 
 def test_gradients_changed_after_the_reduction_are_refused_in_one_warning(records):
