@@ -17,15 +17,17 @@ register_pending`) all-gathers the stored shards, first layers first, in a few r
   it takes the gathered parameters and assigns them to the variables; else nothing.
 
 So every value a program can read of its variables is plain Horovod's (elementwise
-optimizers compute each element alike on a shard and on the whole tensor), half of the
+optimizers compute each element alike on a shard and on the whole tensor; past 2 ranks,
+up to the order in which the reduce-scatter adds the ranks' gradients), half of the
 bytes move under the backward pass and half under the next forward pass, and optimizer
 memory falls by the number of ranks.
 
 Decoupled: ``GradientDescentOptimizer``, ``MomentumOptimizer`` and ``AdamOptimizer`` with
 float32 resource variables, dense gradients and no compression, where the gradient given
-to apply_gradients is the reduced gradient alone. Anything else keeps the in-step plan,
-with one warning. Not yet: checkpoints of the sharded optimizer state (a Saver writes
-each rank's own shard of it), Keras and ``tf.function`` steps.
+to apply_gradients is the reduced gradient alone. Anything else trains without it
+(cross-step overlap where configured, else the in-step plan), with one line saying why.
+Not yet: checkpoints of the sharded optimizer state (a Saver writes each rank's own shard
+of it), Keras and ``tf.function`` steps.
 """
 from __future__ import annotations
 
