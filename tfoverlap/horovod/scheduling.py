@@ -99,16 +99,13 @@ def plan_deferral(graph_def, own: dict, mode,
     step. Never raises: without a plan nothing is deferred, with a warning."""
     from tfoverlap.costs.network import ring_allreduce_seconds
     from tfoverlap.options import link_bandwidth, parse_options
-    from tfoverlap.planning.caramel import (deferred_chunks, deferred_step,
-                                            horovod_cycle_seconds, plan_for_graph,
-                                            request_latency)
+    from tfoverlap.planning.caramel import deferred_chunks, deferred_step, plan_for_graph
     decision = {"mode": "auto" if mode == "auto" else "on", "deferred": 0}
     chunks = []
     try:
         options = parse_options(caramel_options())
         plan, inputs = plan_for_graph(graph_def, options)
-        latency = request_latency(options.latency, inputs.ranks,
-                                  horovod_cycle_seconds(options.cycle_ms))
+        latency = inputs.request_latency(options)
         rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
                                               0.0)) for size in plan.sizes]
         request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))

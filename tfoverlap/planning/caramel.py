@@ -231,7 +231,7 @@ def growing_runs(items: list, weights, runs: int) -> list[list]:
     for item, weight in zip(items, weights):
         current.append(item)
         filled += weight
-        if filled >= ends[len(result)] * (1 - 1e-12) and len(result) < runs - 1:
+        if filled >= ends[len(result)] - 1e-12 and len(result) < runs - 1:
             result.append(current)
             current = []
     if current:
