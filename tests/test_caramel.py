@@ -9,6 +9,7 @@ import pytest
 
 import tfoverlap
 from tfoverlap.passes.caramel import ORDER_ATTR
+from tfoverlap.planning.caramel import gradient_gates
 from tfoverlap.graph.model import GraphModel
 from tfoverlap.graph.verify import verify_graph_def
 from tfoverlap.testbed.horovod_launch import run_horovod
@@ -179,8 +180,12 @@ def test_caramel_steps_aside_where_it_predicts_no_gain(horovod_graph, caplog):
     caplog.set_level(logging.INFO, logger="tfoverlap")
     rewritten, report = _rewrite(horovod_graph, bandwidth="100Gbit", force=False)
     summary = report.passes[0].summary
-    assert not report.modified and rewritten is horovod_graph
-    assert summary["predicted_gain"] < 0.03 and "Horovod's own path" in summary["declined"]
+    # Horovod's fusion stays; only the weight gradients are gated (tf.gradients does not).
+    assert summary["predicted_gain"] < 0.03 and "own fusion is left" in summary["declined"]
+    assert summary["gated_gradients"] == len(gradient_gates(horovod_graph)) > 0
+    assert [n.op for n in rewritten.node] == [n.op for n in horovod_graph.node]
+    assert _added_control_inputs(horovod_graph, rewritten) == {
+        (before, after) for before, after in gradient_gates(horovod_graph)}
     assert summary["predicted_horovod_step_s"] > 0
     assert sum("below min_gain" in r.getMessage() for r in caplog.records) == 1
     # Where each message costs a millisecond and Horovod waits 5 ms cycles, planned
@@ -190,13 +195,130 @@ def test_caramel_steps_aside_where_it_predicts_no_gain(horovod_graph, caplog):
     assert acting.modified and acting.passes[0].summary["predicted_gain"] >= 0.03
 
 
+def _added_control_inputs(before, after) -> set:
+    old = {n.name: set(n.input) for n in before.node}
+    return {(text[1:], node.name) for node in after.node for text in node.input
+            if text.startswith("^") and text not in old.get(node.name, ())}
+
+
+_TAPE_STEP = """
+import sys
+import horovod.tensorflow as hvd
+import tensorflow as tf
+hvd.init()
+LOOP = sys.argv[1].endswith("loop.pb")
+weights = []
+
+def make_weights():
+    weights.extend([tf.Variable(tf.random.stateless_normal([3, 3, 8, 8], seed=[i, 0]),
+                                name=f"k{i}") for i in range(4)]
+                   + [tf.Variable(tf.zeros([8 * 16 * 16, 10]), name="dense")])
+
+def step(images):
+    with tf.GradientTape() as tape:
+        hidden = images
+        for kernel in weights[:4]:
+            hidden = tf.nn.relu(tf.nn.conv2d(hidden, kernel, 1, "SAME"))
+        loss = tf.reduce_sum(tf.matmul(tf.reshape(hidden, [4, -1]), weights[4]))
+    for weight, gradient in zip(weights, tape.gradient(loss, weights)):
+        weight.assign_sub(0.01 * hvd.allreduce(gradient, op=hvd.Average))
+    return loss
+
+if LOOP:   # a while loop of steps with its frames, as Keras' steps_per_execution runs
+    tf.compat.v1.disable_control_flow_v2()
+    graph = tf.Graph()
+    with graph.as_default():
+        make_weights()
+        images = tf.ones([4, 16, 16, 8])
+        count = tf.compat.v1.while_loop(lambda i: i < 3, lambda i: [
+            tf.identity(i + 1 + tf.cast(step(images) * 0, tf.int32))], [tf.constant(0)])
+        tf.identity(count, name="train")
+    graph_def = graph.as_graph_def()
+else:
+    make_weights()
+    function = tf.function(lambda images: tf.identity(step(images), name="train"))
+    graph_def = function.get_concrete_function(
+        tf.TensorSpec([4, 16, 16, 8])).graph.as_graph_def()
+with open(sys.argv[1], "wb") as stream:
+    stream.write(graph_def.SerializeToString())
+"""
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["tf_function", "while_loop"])
+def test_a_tapes_weight_gradients_are_gated_before_the_input_gradients(tmp_path, loop):
+    """A GradientTape leaves each layer's weight gradient free to run after the rest of
+    the backward pass (TF1's optimizers gate them); the pass gates them, in a
+    tf.function and inside a while loop's frame (Keras' steps_per_execution), even where
+    it leaves Horovod's fusion alone, and the graph stays valid and acyclic."""
+    import tensorflow as tf
+    path = tmp_path / ("loop.pb" if loop else "tape.pb")
+    build_horovod_graph(_TAPE_STEP, path)
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.ParseFromString(path.read_bytes())
+    gates = gradient_gates(graph_def)
+    nodes = {n.name: n for n in graph_def.node}
+    model = GraphModel.from_graph_def(graph_def)
+    producers = {before for before, _ in gates}
+    assert len(producers) == 5                       # four kernels and the dense layer
+    for before, after in gates:
+        assert nodes[before].op in ("Conv2DBackpropFilter", "MatMul")
+        assert nodes[after].op in ("Conv2DBackpropInput", "MatMul")
+        shared = ({t.split(":")[0] for t in nodes[before].input}
+                  & {t.split(":")[0] for t in nodes[after].input})
+        assert shared, (before, after)               # the same upstream gradient
+        if loop:
+            assert model.frame[model.index[before]] == model.frame[model.index[after]] != ()
+    rewritten, report = _rewrite(graph_def, force=False, bandwidth="100Gbit")
+    summary = report.passes[0].summary
+    assert report.modified and summary["gated_gradients"] == len(gates)
+    assert _added_control_inputs(graph_def, rewritten) == set(gates)
+    verify_graph_def(rewritten, ["train"])           # acyclic, frames and deadness kept
+    assert gradient_gates(rewritten) == []           # a second run adds nothing
+    again, second = _rewrite(rewritten, force=False, bandwidth="100Gbit")
+    assert not second.modified
+
+
+_GATED_BY_TF1 = """
+import sys
+import horovod.tensorflow as hvd
+import tensorflow as tf
+hvd.init()
+graph = tf.Graph()
+with graph.as_default():
+    weights = [tf.compat.v1.get_variable(f"w{i}", [64, 64], use_resource=True) for i in range(4)]
+    hidden = tf.ones([8, 64])
+    for weight in weights:
+        hidden = tf.nn.relu(tf.matmul(hidden, weight))
+    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)   # gate_gradients=GATE_OP
+    pairs = optimizer.compute_gradients(tf.reduce_sum(hidden), weights)
+    optimizer.apply_gradients([(hvd.allreduce(g, op=hvd.Average), w) for g, w in pairs],
+                              name="train")
+with open(sys.argv[1], "wb") as stream:
+    stream.write(graph.as_graph_def().SerializeToString())
+"""
+
+
+def test_gradients_that_tf1_already_gates_get_no_edge(tmp_path):
+    import tensorflow as tf
+    path = tmp_path / "gated.pb"
+    build_horovod_graph(_GATED_BY_TF1, path)
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.ParseFromString(path.read_bytes())
+    assert any(n.op == "HorovodAllreduce" for n in graph_def.node)
+    assert gradient_gates(graph_def) == []
+
+
 def test_the_backward_pass_is_left_alone_when_compute_is_the_bottleneck(horovod_graph):
     rewritten, report = _rewrite(horovod_graph, bandwidth="100Gbit", bucket_chain="finished")
     summary = report.passes[0].summary
     assert not summary["order_backward"] and summary["gradient_order"] == []
-    assert summary["order_edges"] == summary["requests"] - 1     # only the bucket chain
+    # Only the bucket chain, and each layer's weight gradient gated as TF1 would.
+    gates = gradient_gates(horovod_graph)
+    assert summary["gated_gradients"] == len(gates) > 0
+    assert summary["order_edges"] == summary["requests"] - 1 + len(gates)
+    gated = {after for _, after in gates}
     assert not any(ORDER_ATTR in n.attr for n in rewritten.node
-                   if n.op != "HorovodGroupedAllreduce")
+                   if n.op != "HorovodGroupedAllreduce" and n.name not in gated)
 
 
 def test_the_rewrite_is_idempotent_and_survives_tictac(horovod_graph):

@@ -18,6 +18,12 @@ On a graph with ``HorovodAllreduce`` ops (what ``hvd.DistributedOptimizer`` and
    (:func:`~tfoverlap.planning.caramel.waited_producers`), and the buckets are planned
    for the ready times that order gives; where the ring is still busy with earlier
    buckets, the executor keeps its own order.
+   Otherwise, and wherever the pass plans no buckets (it declines, or the reductions run
+   in a while loop such as Keras' ``steps_per_execution`` loop), each layer's weight
+   gradient is still gated before the layer's input gradient where the graph does not
+   already do so (:func:`~tfoverlap.planning.caramel.gradient_gates`): TF1's optimizers
+   gate each op's gradients, a ``GradientTape`` does not, and without it the executor
+   may leave the weight gradients, and the ring, to the end of the backward pass.
 2. *Buckets.* :func:`tfoverlap.planning.caramel.plan_allreduce` picks bucket boundaries with the
    ring alpha-beta model and the expected ready times, splitting gradients larger than
    ``split_bytes``; each bucket becomes one ``HorovodGroupedAllreduce``, issued when its
@@ -43,7 +49,7 @@ import json
 from tfoverlap.graph.model import dtype_bytes, parse_input
 from tfoverlap.log import logger
 from tfoverlap.passes.base import PassContext, PassResult
-from tfoverlap.planning.caramel import is_planned_allreduce, plan_for_graph
+from tfoverlap.planning.caramel import gradient_gates, is_planned_allreduce, plan_for_graph
 from tfoverlap.rewriters.allreduce_grouping import (CHECK_LENGTH, GROUP_ATTRS, BucketPieces,
                                                     add_plan_check, free_prefix,
                                                     group_allreduces)
@@ -134,16 +140,29 @@ def _chain_edges(graph_def, requests: list[str], chain: str) -> list[tuple[str, 
     return edges
 
 
+def _gated(graph_def, gates: list[tuple[str, str]], report: dict) -> PassResult:
+    """``graph_def`` with only the weight gradients gated (no buckets): what the pass
+    returns where it plans nothing or declines."""
+    if not gates:
+        return PassResult(graph_def, False, report)
+    gated, edges = add_ordering_edges(graph_def, gates, marker=ORDER_ATTR)
+    return PassResult(gated, edges > 0, {**report, "gated_gradients": edges})
+
+
 def caramel_pass(graph_def, context: PassContext) -> PassResult:
     options = context.options
     if not any(is_planned_allreduce(node) for node in graph_def.node):
         return PassResult(graph_def, False, {"allreduces": 0})
+    # Each layer's weight gradient before its input gradient, as TF1 gates them: whatever
+    # the buckets, a tape's step then hands Horovod its gradients as the backward pass
+    # makes them (and the plan's ready times hold).
+    gates = gradient_gates(graph_def)
     plan, inputs = plan_for_graph(graph_def, options)
     model = plan.model
     left_out = {reason: len(nodes) for reason, nodes in plan.left_out.items()}
     if not plan.nodes:
-        return PassResult(graph_def, False, {"allreduces": 0, "allreduces_left_out": left_out,
-                                             "allreduces_left_out_names": plan.left_out})
+        return _gated(graph_def, gates, {"allreduces": 0, "allreduces_left_out": left_out,
+                                         "allreduces_left_out_names": plan.left_out})
     predicted_gain = (1.0 - plan.predicted_step / plan.baseline_step
                       if plan.baseline_step > 0 else 0.0)
     prediction = {"predicted_gain": round(predicted_gain, 4),
@@ -154,10 +173,10 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
         reason = (f"Caramel's buckets would take the step from {plan.baseline_step * 1e3:.3g} "
                   f"ms with Horovod's fusion to {plan.predicted_step * 1e3:.3g} ms "
                   f"({predicted_gain:+.1%}), below min_gain {options.min_gain:.1%}; Horovod's "
-                  "own path is left as it is (force=True plans anyway)")
+                  "own fusion is left as it is (force=True plans anyway)")
         logger.info("tfoverlap: graph %s: %s", context.item_id or "", reason)
-        return PassResult(graph_def, False, {"allreduces": len(plan.nodes), **prediction,
-                                             "declined": reason, "ranks": inputs.ranks})
+        return _gated(graph_def, gates, {"allreduces": len(plan.nodes), **prediction,
+                                         "declined": reason, "ranks": inputs.ranks})
     names = [model.names[v] for v in plan.nodes]
     node_defs = {node.name: node for node in graph_def.node}
     piece_elements, requests = _requests(plan, names, node_defs)
@@ -187,13 +206,14 @@ def caramel_pass(graph_def, context: PassContext) -> PassResult:
     # in either order.
     rewritten, edges = add_ordering_edges(
         rewritten, list(zip(producers, producers[1:])) + weight_first
+        + ([] if order_backward else gates)
         + _chain_edges(rewritten, grouped, options.bucket_chain), marker=ORDER_ATTR)
     return PassResult(rewritten, True, {
         "allreduces": len(names), "buckets": len(plan.buckets), "requests": len(requests),
         "bucket_bytes": [b.size for b in plan.buckets],
         "split_gradients": sorted(piece_elements), "order_edges": edges,
         "order_backward": order_backward, "gradient_order": producers,
-        "weight_first": weight_first,
+        "weight_first": weight_first, "gated_gradients": 0 if order_backward else len(gates),
         "bucket_chain": options.bucket_chain, **prediction,
         "ranks": inputs.ranks, "threads": inputs.threads,
         "ready_times_from": inputs.ready_times_from, "plan_digest": digest,

@@ -36,7 +36,7 @@ __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradient
            "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
            "HOROVOD_REDUCE_OPS", "gradient_submissions", "planning_inputs", "traced_step_breakdown",
            "waited_producers", "DEFERRED_ATTR", "deferred_chunks", "deferred_step",
-           "growing_runs"]
+           "growing_runs", "gradient_gates"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 #: the op types that hand tensors to Horovod for reduction.
@@ -157,12 +157,20 @@ def _reaches(successors, source: int, target: int, position) -> bool:
     return False
 
 
+def _may_wait(flow, first: int, then: int) -> bool:
+    """Whether ``then`` may wait for ``first`` through a control edge: both run in one
+    while-loop frame (the same iteration), ``then`` is no Switch, and ``first`` is live
+    whenever ``then`` is (so the edge never kills ``then``)."""
+    return (flow.frame[then] == flow.frame[first] == flow.output_frame[first]
+            and then not in flow.switch_predicate
+            and flow.live_when[first] <= flow.live_when[then])
+
+
 def _upstream_siblings(model: GraphModel, flow, successors, producer: int, finish,
                        position, excluded: set) -> list[int]:
     """The ops other than ``producer`` that consume the input it receives last (in the
-    simulated step: the upstream gradient, not a forward activation), leaving out
-    ``excluded`` ops, Identities, ops outside the root frame and ops ``producer`` depends
-    on."""
+    simulated step: the upstream gradient, not a forward activation) and may wait for it,
+    leaving out ``excluded`` ops, Identities and ops ``producer`` depends on."""
     inputs = model.data_inputs[producer]
     if not inputs:
         return []
@@ -170,8 +178,86 @@ def _upstream_siblings(model: GraphModel, flow, successors, producer: int, finis
     return [consumer for consumer in dict.fromkeys(successors[upstream[0]])
             if consumer != producer and consumer not in excluded
             and model.ops[consumer] not in _FORWARDING_OPS      # Grappler drops these
-            and upstream in model.data_inputs[consumer] and flow.is_plain(consumer)
+            and upstream in model.data_inputs[consumer] and _may_wait(flow, producer, consumer)
             and not _reaches(successors, consumer, producer, position)]
+
+
+def gradient_gates(graph_def) -> list[tuple[str, str]]:
+    """(weight-gradient producer, backward op) pairs, by name, that make each layer's
+    reduced weight gradient run before the layer's other ops on the same upstream gradient
+    (its input gradient), wherever that order is not in the graph yet.
+
+    TF1's ``tf.gradients`` gates each op's gradients this way (``GATE_OP``, its optimizers'
+    default); a ``GradientTape`` does not, and TensorFlow's executor may then run the
+    backward chain ahead and leave the weight gradients, and with them the reductions, to
+    the end of the step. Pairs come from every frame (Keras' ``steps_per_execution`` loop
+    too), each within one frame, and none where the ops after the sibling already wait
+    for the producer; the edges close no cycle (an op that leads to its producer is no
+    sibling, and the pairs together are checked)."""
+    model, flow = analysed(graph_def)
+    reduced = {v for v in range(model.num_nodes) if is_planned_allreduce(graph_def.node[v])}
+    if not reduced:
+        return []
+    succs = model.successors()
+    position = np.empty(model.num_nodes, dtype=np.int64)
+    position[model.topological_order()] = np.arange(model.num_nodes)
+    producers = [p for p in dict.fromkeys(_computing_producer(model, v) for v in sorted(reduced)
+                                          if model.data_inputs[v])
+                 if _feeds_only_allreduces(model, model.data_consumers(), p, reduced)]
+    excluded = set(producers) | reduced
+    # Where everything that takes the sibling's output already waits for the producer
+    # (TF1's gradient tuples), the backward pass cannot run ahead of it: no pair.
+    pairs = [(p, sibling) for p in producers
+             for sibling in _upstream_siblings(model, flow, succs, p, position, position,
+                                               excluded)
+             if not all(_reaches(succs, p, after, position)
+                        for after in succs[sibling] or [sibling])]
+    if not _acyclic(succs, pairs):
+        # Rare (shared weights across layers): keep each pair that closes no cycle with
+        # the graph and the pairs kept before it.
+        augmented = [list(following) for following in succs]
+        kept = []
+        for p, sibling in pairs:
+            if not _leads_to(augmented, sibling, p):
+                augmented[p].append(sibling)
+                kept.append((p, sibling))
+        pairs = kept
+    return [(model.names[p], model.names[sibling]) for p, sibling in pairs]
+
+
+def _acyclic(successors, extra: list[tuple[int, int]]) -> bool:
+    """Whether the graph with the ``extra`` edges has no cycle (loop back-edges are not in
+    ``successors``)."""
+    following = [list(nodes) for nodes in successors]
+    for before, after in extra:
+        following[before].append(after)
+    indegree = [0] * len(following)
+    for nodes in following:
+        for node in nodes:
+            indegree[node] += 1
+    ready = [node for node, count in enumerate(indegree) if count == 0]
+    seen = 0
+    while ready:
+        node = ready.pop()
+        seen += 1
+        for after in following[node]:
+            indegree[after] -= 1
+            if indegree[after] == 0:
+                ready.append(after)
+    return seen == len(following)
+
+
+def _leads_to(successors, source: int, target: int) -> bool:
+    frontier, seen = [source], {source}
+    while frontier:
+        node = frontier.pop()
+        if node == target:
+            return True
+        for following in successors[node]:
+            if following not in seen:
+                seen.add(following)
+                frontier.append(following)
+    return False
 
 
 #: marks an AllReduce of a gradient deferred to the next step (tfoverlap.horovod's
