@@ -258,6 +258,23 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
         assert keras_patterns[0]["checkpoint"]["tfoverlap"]["checkpoint"]
 
 
+def test_keras_fit_lets_the_plan_decide_by_default_and_stays_exact(keras_patterns):
+    """"auto", the default, decides in Keras by Caramel's plan, as in graph mode (the
+    8-rank emulated row defers: docs/benchmarks.md). On this small chain the drain of
+    each call outweighs what deferring saves, so the plan declines and says by how much;
+    training is plain Horovod's, bit for bit."""
+    for records in keras_patterns:
+        plain, run = records["auto"]["horovod"], records["auto"]["tfoverlap"]
+        assert "error" not in plain and "error" not in run, (plain, run)
+        decision = run["decision"]
+        assert decision["mode"] == "auto" and "predicted_gain" in decision, decision
+        assert decision["in_step_ms"] > 0 and decision["drain_predicted_ms"] > 0, decision
+        if not decision["deferred"]:
+            assert "min_gain" in decision["reason"], decision
+        assert run["losses"] == plain["losses"] and run["weights"] == plain["weights"]
+        assert run["optimizer"] == plain["optimizer"]
+
+
 @pytest.mark.parametrize("pattern, reason", [
     ("one_step_per_call", "steps_per_execution"), ("clipnorm", "clipping")])
 def test_keras_fit_outside_the_contract_defers_nothing_says_why_and_trains_exactly(

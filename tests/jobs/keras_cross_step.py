@@ -22,7 +22,7 @@ import tfoverlap.horovod.keras as tfo_keras  # noqa: E402
 
 PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
             "schedule", "validation", "checkpoint", "embedding", "one_step_per_call",
-            "clipnorm")
+            "clipnorm", "auto")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
 WIDTHS = [64, 64, 64, 64, 64, 10]
@@ -134,6 +134,15 @@ def deferred_reductions(model):
 
 def train(pattern, variant):
     distributed = tfo_keras if variant == "tfoverlap" else hvd_keras
+    if pattern == "auto":       # the default mode: the plan decides
+        tfo_hvd.configure(**OPTIONS, cross_step="auto")
+    try:
+        return _train(pattern, variant, distributed)
+    finally:
+        tfo_hvd.configure(cross_step=True, **OPTIONS)
+
+
+def _train(pattern, variant, distributed):
     model = model_for(pattern)
     model.compile(optimizer=distributed.DistributedOptimizer(optimizer_for(pattern)),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -8,7 +8,7 @@ cross-step overlap) and trained on one synthetic batch repeated:
   horovod        ``horovod.tensorflow.keras.DistributedOptimizer`` as is.
   horovod_again  the same again: the A/A row.
   caramel        ``tfoverlap.horovod.keras.DistributedOptimizer``, default options
-                 (in Keras "auto" does not defer yet: Caramel's in-step plan only).
+                 (cross-step overlap where "auto" predicts a gain).
   caramel_cross_step  the same with ``configure(cross_step=True)``: the gradients ready
                  last reduced under the next step's forward pass within each call.
   compute_only   the same model with a local optimizer: the step without communication.

@@ -141,17 +141,18 @@ def _feeds_only_allreduces(model: GraphModel, data_consumers, producer: int,
     return False
 
 
-def _reaches(successors, source: int, target: int, position) -> bool:
-    """Whether ``target`` depends on ``source`` (nodes after ``target`` in the topological
-    ``position`` cannot lead to it)."""
-    limit = position[target]
+def _reaches(successors, source: int, target: int, position=None) -> bool:
+    """Whether ``target`` depends on ``source`` (with a topological ``position`` of the
+    ``successors``' graph, nodes after ``target`` are not searched: they cannot lead to
+    it)."""
+    limit = position[target] if position is not None else None
     frontier, seen = [source], {source}
     while frontier:
         node = frontier.pop()
         if node == target:
             return True
         for following in successors[node]:
-            if following not in seen and position[following] <= limit:
+            if following not in seen and (limit is None or position[following] <= limit):
                 seen.add(following)
                 frontier.append(following)
     return False
@@ -218,7 +219,7 @@ def gradient_gates(graph_def) -> list[tuple[str, str]]:
         augmented = [list(following) for following in succs]
         kept = []
         for p, sibling in pairs:
-            if not _leads_to(augmented, sibling, p):
+            if not _reaches(augmented, sibling, p):
                 augmented[p].append(sibling)
                 kept.append((p, sibling))
         pairs = kept
@@ -246,18 +247,6 @@ def _acyclic(successors, extra: list[tuple[int, int]]) -> bool:
                 ready.append(after)
     return seen == len(following)
 
-
-def _leads_to(successors, source: int, target: int) -> bool:
-    frontier, seen = [source], {source}
-    while frontier:
-        node = frontier.pop()
-        if node == target:
-            return True
-        for following in successors[node]:
-            if following not in seen:
-                seen.add(following)
-                frontier.append(following)
-    return False
 
 
 #: marks an AllReduce of a gradient deferred to the next step (tfoverlap.horovod's
