@@ -141,18 +141,17 @@ def _feeds_only_allreduces(model: GraphModel, data_consumers, producer: int,
     return False
 
 
-def _reaches(successors, source: int, target: int, position=None) -> bool:
-    """Whether ``target`` depends on ``source`` (with a topological ``position`` of the
-    ``successors``' graph, nodes after ``target`` are not searched: they cannot lead to
-    it)."""
-    limit = position[target] if position is not None else None
+def _reaches(successors, source: int, target: int, position) -> bool:
+    """Whether ``target`` depends on ``source`` (nodes after ``target`` in the topological
+    ``position`` cannot lead to it)."""
+    limit = position[target]
     frontier, seen = [source], {source}
     while frontier:
         node = frontier.pop()
         if node == target:
             return True
         for following in successors[node]:
-            if following not in seen and (limit is None or position[following] <= limit):
+            if following not in seen and position[following] <= limit:
                 seen.add(following)
                 frontier.append(following)
     return False
@@ -193,8 +192,12 @@ def gradient_gates(graph_def) -> list[tuple[str, str]]:
     backward chain ahead and leave the weight gradients, and with them the reductions, to
     the end of the step. Pairs come from every frame (Keras' ``steps_per_execution`` loop
     too), each within one frame, and none where the ops after the sibling already wait
-    for the producer; the edges close no cycle (an op that leads to its producer is no
-    sibling, and the pairs together are checked)."""
+    for the producer.
+
+    The edges close no cycle. In a topological order, each pair's op comes after its
+    producer's last input (it consumes it), and anything the producer depends on comes no
+    later than that input; so along a cycle of pairs and graph paths, each pair's op would
+    come after the one before it, back to itself."""
     model, flow = analysed(graph_def)
     reduced = {v for v in range(model.num_nodes) if is_planned_allreduce(graph_def.node[v])}
     if not reduced:
@@ -213,40 +216,7 @@ def gradient_gates(graph_def) -> list[tuple[str, str]]:
                                                excluded)
              if not all(_reaches(succs, p, after, position)
                         for after in succs[sibling] or [sibling])]
-    if not _acyclic(succs, pairs):
-        # Rare (shared weights across layers): keep each pair that closes no cycle with
-        # the graph and the pairs kept before it.
-        augmented = [list(following) for following in succs]
-        kept = []
-        for p, sibling in pairs:
-            if not _reaches(augmented, sibling, p):
-                augmented[p].append(sibling)
-                kept.append((p, sibling))
-        pairs = kept
     return [(model.names[p], model.names[sibling]) for p, sibling in pairs]
-
-
-def _acyclic(successors, extra: list[tuple[int, int]]) -> bool:
-    """Whether the graph with the ``extra`` edges has no cycle (loop back-edges are not in
-    ``successors``)."""
-    following = [list(nodes) for nodes in successors]
-    for before, after in extra:
-        following[before].append(after)
-    indegree = [0] * len(following)
-    for nodes in following:
-        for node in nodes:
-            indegree[node] += 1
-    ready = [node for node, count in enumerate(indegree) if count == 0]
-    seen = 0
-    while ready:
-        node = ready.pop()
-        seen += 1
-        for after in following[node]:
-            indegree[after] -= 1
-            if indegree[after] == 0:
-                ready.append(after)
-    return seen == len(following)
-
 
 
 #: marks an AllReduce of a gradient deferred to the next step (tfoverlap.horovod's
