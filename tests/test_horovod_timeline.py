@@ -73,3 +73,27 @@ def test_a_step_without_gradients_is_a_clear_error():
         step_breakdown(ORIGIN, ORIGIN + 1000, [ORIGIN + 5000], {})
     with pytest.raises(ValueError, match="no length"):
         step_breakdown(ORIGIN, ORIGIN, [ORIGIN], {})
+
+
+def test_the_gradient_timeline_script_says_when_each_quarter_of_the_bytes_was_asked_for():
+    """scripts/horovod_gradient_timeline.py's table, per step: when every rank had asked
+    for a quarter, half, three quarters and all of the bytes (after the step's first
+    request), the ring's busy time and the tail after the last request; emulated ms at
+    dilation 2."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "horovod_gradient_timeline.py"
+    spec = importlib.util.spec_from_file_location("horovod_gradient_timeline", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    records = read_timeline(horovod_timeline_text({     # 400 bytes each ([10, 10] float32)
+        "a": [("NEGOTIATE_ALLREDUCE", 0, 1000), ("ALLREDUCE", 1000, 3000),
+              ("NEGOTIATE_ALLREDUCE", 10000, 12000), ("ALLREDUCE", 12000, 13000)],
+        "b": [("NEGOTIATE_ALLREDUCE", 500, 4000), ("ALLREDUCE", 4000, 6000),
+              ("NEGOTIATE_ALLREDUCE", 10000, 11000), ("ALLREDUCE", 11000, 12000)]},
+        ORIGIN, closed=True))
+    first, second = script.step_table(records, dilation=2.0)
+    assert first["bytes_50pct_ms"] == 0.5 and first["bytes_100pct_ms"] == 2.0
+    assert first["ring_busy_ms"] == 2.0 and first["tail_after_last_request_ms"] == 1.0
+    assert second["bytes_25pct_ms"] == 0.5 and second["bytes_100pct_ms"] == 1.0
+    assert second["ring_busy_ms"] == 1.0 and second["tail_after_last_request_ms"] == 0.5
