@@ -141,6 +141,15 @@ def _feeds_only_allreduces(model: GraphModel, data_consumers, producer: int,
     return False
 
 
+def _weight_gradient_producers(model: GraphModel, reductions: list[int]) -> list[int]:
+    """The ops computing what the ``reductions`` reduce (through Identities) that compute
+    nothing else (:func:`_feeds_only_allreduces`), in the reductions' order."""
+    reduced = set(reductions)
+    return [p for p in dict.fromkeys(_computing_producer(model, v) for v in reductions
+                                     if model.data_inputs[v])
+            if _feeds_only_allreduces(model, model.data_consumers(), p, reduced)]
+
+
 def _reaches(successors, source: int, target: int, position) -> bool:
     """Whether ``target`` depends on ``source`` (nodes after ``target`` in the topological
     ``position`` cannot lead to it)."""
@@ -205,9 +214,7 @@ def gradient_gates(graph_def) -> list[tuple[str, str]]:
     succs = model.successors()
     position = np.empty(model.num_nodes, dtype=np.int64)
     position[model.topological_order()] = np.arange(model.num_nodes)
-    producers = [p for p in dict.fromkeys(_computing_producer(model, v) for v in sorted(reduced)
-                                          if model.data_inputs[v])
-                 if _feeds_only_allreduces(model, model.data_consumers(), p, reduced)]
+    producers = _weight_gradient_producers(model, sorted(reduced))
     excluded = set(producers) | reduced
     # Where everything that takes the sibling's output already waits for the producer
     # (TF1's gradient tuples), the backward pass cannot run ahead of it: no pair.
@@ -355,15 +362,8 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
     schedule = simulate(problem)
     started = schedule.start
     nodes.sort(key=lambda v: (started[v], position[v]))
-    data_consumers: list[list[int]] = [[] for _ in range(model.num_nodes)]
-    for node in range(model.num_nodes):
-        for producer, _ in model.data_inputs[node]:
-            data_consumers[producer].append(node)
     reduced = set(nodes)
-    producers = [p for p in dict.fromkeys(_computing_producer(model, v) for v in nodes
-                                          if model.data_inputs[v])
-                 if flow.is_plain(p) and _feeds_only_allreduces(model, data_consumers, p,
-                                                                reduced)]
+    producers = [p for p in _weight_gradient_producers(model, nodes) if flow.is_plain(p)]
     producers.sort(key=lambda p: (started[p], position[p]))
     producer_gradients: dict[int, list[int]] = {}
     for index, node in enumerate(nodes):
