@@ -216,14 +216,15 @@ def test_keras_benchmark_worker_end_to_end():
     with EmulatedNetwork(2, loopback=True) as network:
         result = run_horovod(network, 2, [
             sys.executable, "-m", "tfoverlap.bench.keras_worker", "--model", "mobilenet_v2",
-            "--batch", "2", "--image-size", "32", "--variants", "horovod,caramel,compute_only",
+            "--batch", "2", "--image-size", "32",
+            "--variants", "horovod,ddp25,caramel,compute_only",
             "--rounds", "2", "--calls", "1", "--steps-per-execution", "2", "--warmup", "1"],
             controller="gloo", timeout=500)
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
     record = json.loads(next(line for line in result.outputs[0].splitlines()
                              if line.startswith("{")))
     assert record["api"] == "keras" and record["steps_per_execution"] == 2
-    assert set(record["times"]) == {"horovod", "caramel", "compute_only"}
+    assert set(record["times"]) == {"horovod", "ddp25", "caramel", "compute_only"}
     assert all(len(times) == 2 and min(times) > 0 for times in record["times"].values())
     decision = record["caramel"]["caramel"]["cross_step"]
     assert decision["mode"] == "auto" and "deferred" in decision, decision
@@ -231,10 +232,25 @@ def test_keras_benchmark_worker_end_to_end():
     rows = {row["variant"]: row for row in summarize({
         **record, "bandwidth": None, "emulate": "", "dilation": 1.0,
         "steps_per_block": 1})}
-    assert set(rows) == {"horovod", "caramel"}
+    assert set(rows) == {"horovod", "ddp25", "caramel"}
     assert all(row["api"] == "keras" and row["steps_per_execution"] == 2
                for row in rows.values())
     assert rows["caramel"]["round_low"] <= rows["caramel"]["round_high"]
+
+
+def test_keras_transformer_is_the_graph_mode_transformer():
+    """Keras rows and graph-mode rows of the transformer time the same network: the same
+    variables and shapes (Keras lists a layer's norms after its feed-forward layers)."""
+    import argparse
+    from tfoverlap.bench.keras_worker import _dataset, _model
+    from tfoverlap.testbed.models import transformer_model
+    args = argparse.Namespace(model="transformer", seed=0, batch=2, image_size=224)
+    keras_shapes = sorted(tuple(v.shape) for v in _model(args).trainable_variables)
+    graph_model = transformer_model(batch=2, worker_device="/cpu:0")
+    assert keras_shapes == sorted(tuple(v.shape) for v in graph_model.variables)
+    assert len(keras_shapes) == 1 + 12 * 16 + 2
+    tokens, labels = next(iter(_dataset(args)))
+    assert tokens.shape == (2, 128) and tokens.dtype.name == "int32" and labels.shape == (2,)
 
 
 def test_keras_rows_merge_apart_from_graph_mode_rows(tmp_path):

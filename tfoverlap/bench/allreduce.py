@@ -15,9 +15,9 @@ links) and runs two Horovod (Gloo) jobs, one rank per host:
   ``breakdown`` in the rows, a table, and ``timeline-MODEL-LINK.png``).
 
 ``--api keras`` times Keras ``model.fit`` instead (:mod:`tfoverlap.bench.keras_worker`:
-Horovod's Keras optimizer, again as the A/A row, and tfoverlap.horovod.keras's, compiled
-with ``--steps-per-execution``), without the traced and autotune jobs; its rows carry
-``api: keras``.
+Horovod's Keras optimizer, again as the A/A row, with DDP's buckets, and
+tfoverlap.horovod.keras's, compiled with ``--steps-per-execution``; autotune in its own job
+as above), without the traced job; its rows carry ``api: keras``.
 
 Speed-ups are medians over the steps of both ranks' lock-stepped job (rank 0's clock),
 with 95% bootstrap intervals, and the range of the per-round ratios. Results go to CSV, Markdown, JSON and a PNG.
@@ -96,8 +96,7 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
     ``dilation=None`` chooses it. ``breakdown``: a third job traces a few steps of each
     variant with Horovod's timeline, to split them (not timed). ``api="keras"``: the
     side-by-side job is :mod:`tfoverlap.bench.keras_worker`'s ``model.fit`` (``steps``
-    timed calls of ``steps_per_execution`` steps per block), without the traced and the
-    autotune jobs."""
+    timed calls of ``steps_per_execution`` steps per block), without the traced job."""
     from tfoverlap.testbed.network import EmulatedNetwork
     os.makedirs(workdir, exist_ok=True)
     automatic = bool(emulate) and dilation is None
@@ -114,13 +113,19 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
         description = network.describe()
         progress(f"{model} at {link_name(bandwidth)}: {description}; side-by-side job")
         if api == "keras":
-            main_job = _worker_job(network, common + [
-                "--rounds", str(rounds), "--calls", str(steps), "--variants", variants,
-                "--steps-per-execution", str(steps_per_execution)],
+            worker = "tfoverlap.bench.keras_worker"
+            keras_calls = ["--steps-per-execution", str(steps_per_execution)]
+            main_job = _worker_job(network, common + keras_calls + [
+                "--rounds", str(rounds), "--calls", str(steps), "--variants", variants],
                 dilated_horovod_env(dilation), timeout, os.path.join(workdir, "main-job.log"),
-                worker="tfoverlap.bench.keras_worker")
-            breakdown = autotune = False
+                worker=worker)
+            breakdown = False
+            autotune_steps = keras_calls + [
+                "--calls", str(rounds * steps),
+                "--warmup", str(-(-AUTOTUNE_WARMUP // steps_per_execution))]
         else:
+            worker = "tfoverlap.bench.allreduce_worker"
+            autotune_steps = ["--steps", str(rounds * steps), "--warmup", str(AUTOTUNE_WARMUP)]
             main_job = _worker_job(network, common + ["--rounds", str(rounds), "--steps",
                                                       str(steps), "--variants", variants],
                                    dilated_horovod_env(dilation), timeout,
@@ -144,11 +149,10 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
         if autotune:
             progress(f"{model}: autotune job")
             log = os.path.join(workdir, "autotune.csv")
-            tuned = _worker_job(network, common + [
-                "--variants", "autotune", "--rounds", "1", "--steps", str(rounds * steps),
-                "--warmup", str(AUTOTUNE_WARMUP)], {**dilated_horovod_env(dilation),
-                                                    **AUTOTUNE_ENV, "HOROVOD_AUTOTUNE_LOG": log},
-                timeout, os.path.join(workdir, "autotune-job.log"))
+            tuned = _worker_job(network, common + autotune_steps + [
+                "--variants", "autotune", "--rounds", "1"],
+                {**dilated_horovod_env(dilation), **AUTOTUNE_ENV, "HOROVOD_AUTOTUNE_LOG": log},
+                timeout, os.path.join(workdir, "autotune-job.log"), worker=worker)
             tuned["autotune_log_tail"] = _tail(log)
     times = dict(main_job["times"])
     cpu = dict(main_job["cpu"])
@@ -408,7 +412,7 @@ def main(argv=None) -> int:
                              "compute_only and comm_only give comm/comp (else unknown)")
     parser.add_argument("--api", choices=("graph", "keras"), default="graph",
                         help="graph: TF1 sessions (allreduce_worker); keras: model.fit "
-                             "(keras_worker: horovod, horovod_again, caramel, "
+                             "(keras_worker: horovod, horovod_again, ddp25, caramel, "
                              "caramel_cross_step, compute_only)")
     parser.add_argument("--steps-per-execution", type=int, default=4,
                         help="--api keras: compile(steps_per_execution=); --steps is "
@@ -433,7 +437,7 @@ def main(argv=None) -> int:
         if args.api == "keras":
             from tfoverlap.bench.keras_worker import VARIANTS as VARIANT_NAMES
             if args.variants == MAIN_JOB_VARIANTS:
-                args.variants = "horovod,horovod_again,caramel"
+                args.variants = "horovod,horovod_again,ddp25,caramel"
             if args.steps_per_execution < 1:
                 raise ValueError("--steps-per-execution must be >= 1")
         chosen = args.variants.split(",")

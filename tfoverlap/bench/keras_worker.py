@@ -1,12 +1,17 @@
 """One rank of the Horovod benchmark's Keras job: ``model.fit`` of every variant, in turns.
 
 Run by :mod:`tfoverlap.bench.allreduce` (``--api keras``) as a Horovod job, one rank per
-emulated host. Every variant is the same ``tf.keras.applications`` model, batch and seed,
+emulated host. Every variant is the same model (a ``tf.keras.applications`` model, or the
+transformer of :func:`tfoverlap.testbed.models.transformer_network`), batch and seed,
 compiled with ``steps_per_execution`` (the same for all, what a Keras user sets for
-cross-step overlap) and trained on one synthetic batch repeated:
+cross-step overlap) and trained on one synthetic batch repeated. The transformer's
+embedding gradient is reduced dense in every variant, as in graph mode.
 
   horovod        ``horovod.tensorflow.keras.DistributedOptimizer`` as is.
   horovod_again  the same again: the A/A row.
+  autotune       the same; meant for a job with ``HOROVOD_AUTOTUNE=1`` (process-wide).
+  ddp25          Horovod's optimizer with explicit groups as PyTorch DDP buckets them
+                 (:func:`tfoverlap.bench.allreduce_worker.ddp_groups`).
   caramel        ``tfoverlap.horovod.keras.DistributedOptimizer``, default options
                  (cross-step overlap where "auto" predicts a gain).
   caramel_cross_step  the same with ``configure(cross_step=True)``: the gradients ready
@@ -28,14 +33,19 @@ import time
 
 __all__ = ["VARIANTS", "main"]
 
-VARIANTS = ("horovod", "horovod_again", "caramel", "caramel_cross_step", "compute_only")
+VARIANTS = ("horovod", "horovod_again", "autotune", "ddp25", "caramel", "caramel_cross_step",
+            "compute_only")
 
 
 def _model(args):
     import tensorflow as tf
 
-    from tfoverlap.testbed.models import KERAS_APPLICATIONS
+    from tfoverlap.testbed.models import (KERAS_APPLICATIONS, TRANSFORMER_SEQUENCE,
+                                          transformer_network)
     tf.keras.utils.set_random_seed(args.seed)
+    if args.model == "transformer":
+        tokens = tf.keras.Input((TRANSFORMER_SEQUENCE,), dtype=tf.int32)
+        return tf.keras.Model(tokens, transformer_network(tokens)[0])
     return getattr(tf.keras.applications, KERAS_APPLICATIONS[args.model])(
         weights=None, input_shape=(args.image_size, args.image_size, 3), classes=1000,
         classifier_activation=None)     # logits, as the loss is told
@@ -53,19 +63,27 @@ def _build(variant: str, args, emulation: dict):
     import tfoverlap.horovod as tfo_hvd
     import tfoverlap.horovod.keras as tfo_keras
     from tfoverlap.integrations.tf_function import get_function_config, set_function_config
+    from tfoverlap.bench.allreduce_worker import ddp_groups
     previous = get_function_config()
     optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    sparse_as_dense = args.model == "transformer"
     try:
+        model = _model(args)
         if variant.startswith("caramel"):
             tfo_hvd.configure(**emulation, **({"cross_step": True}
                                               if variant == "caramel_cross_step" else {}))
-            optimizer = tfo_keras.DistributedOptimizer(optimizer)   # its function config
+            optimizer = tfo_keras.DistributedOptimizer(   # and its function config
+                optimizer, sparse_as_dense=sparse_as_dense)
         else:
             if emulation:
                 tfoverlap.enable_for_tf_function(schedule="none", **emulation)
-            if variant != "compute_only":
-                optimizer = hvd_keras.DistributedOptimizer(optimizer)
-        model = _model(args)
+            if variant == "ddp25":
+                optimizer = hvd_keras.DistributedOptimizer(
+                    optimizer, groups=ddp_groups(model.trainable_variables),
+                    sparse_as_dense=sparse_as_dense)
+            elif variant != "compute_only":
+                optimizer = hvd_keras.DistributedOptimizer(optimizer,
+                                                           sparse_as_dense=sparse_as_dense)
         model.compile(optimizer=optimizer,
                       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       steps_per_execution=args.steps_per_execution)
@@ -80,11 +98,20 @@ def _build(variant: str, args, emulation: dict):
 
 def _dataset(args):
     import tensorflow as tf
-    images = tf.random.stateless_uniform([args.batch, args.image_size, args.image_size, 3],
-                                         seed=[args.seed, 1])
-    labels = tf.random.stateless_uniform([args.batch], seed=[args.seed, 2], maxval=1000,
+
+    from tfoverlap.testbed.models import TRANSFORMER_SEQUENCE, TRANSFORMER_VOCABULARY
+    if args.model == "transformer":
+        inputs = tf.random.stateless_uniform([args.batch, TRANSFORMER_SEQUENCE],
+                                             seed=[args.seed, 1], maxval=TRANSFORMER_VOCABULARY,
+                                             dtype=tf.int32)
+        classes = TRANSFORMER_VOCABULARY
+    else:
+        inputs = tf.random.stateless_uniform(
+            [args.batch, args.image_size, args.image_size, 3], seed=[args.seed, 1])
+        classes = 1000
+    labels = tf.random.stateless_uniform([args.batch], seed=[args.seed, 2], maxval=classes,
                                          dtype=tf.int32)
-    return tf.data.Dataset.from_tensors((images, labels)).repeat()
+    return tf.data.Dataset.from_tensors((inputs, labels)).repeat()
 
 
 def _block(model, config, args) -> tuple[list[float], list[float]]:
@@ -117,7 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--variants", default="horovod,horovod_again,caramel")
+    parser.add_argument("--variants", default="horovod,horovod_again,ddp25,caramel")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2,
                         help="timed calls of the train function per block")

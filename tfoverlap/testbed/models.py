@@ -10,14 +10,16 @@ import dataclasses
 from typing import Sequence
 
 __all__ = ["PsModel", "MODEL_NAMES", "CIFAR_MODELS", "cifar_resnet", "chain_model",
-           "parallel_model", "keras_model", "transformer_model", "control_flow_model",
-           "build_model"]
+           "parallel_model", "keras_model", "transformer_network", "transformer_model",
+           "control_flow_model", "build_model"]
 
 KERAS_APPLICATIONS = {"resnet50": "ResNet50", "inception_v3": "InceptionV3",
                       "vgg16": "VGG16", "resnet152": "ResNet152",
                       "mobilenet_v2": "MobileNetV2"}
 #: CIFAR-sized models (32x32 images, 10 classes), built here in Keras.
 CIFAR_MODELS = ("resnet20",)
+#: the benchmarks' transformer: tokens per sequence, and the vocabulary.
+TRANSFORMER_SEQUENCE, TRANSFORMER_VOCABULARY = 128, 8000
 MODEL_NAMES = ("seq32", "par32") + tuple(KERAS_APPLICATIONS) + CIFAR_MODELS + ("transformer",)
 
 
@@ -311,35 +313,45 @@ def _control_flow_model(parts, batch, time_steps, width, worker_device, ps_devic
     return model
 
 
+def transformer_network(tokens, layers: int = 12, width: int = 256, heads: int = 4,
+                        vocabulary: int = TRANSFORMER_VOCABULARY):
+    """A BERT-style encoder (Keras layers) applied to ``tokens`` (a tensor or a
+    ``tf.keras.Input``): the logits of the first position, and the trainable variables in
+    the order the layers were made (embedding; per layer attention, two layer norms,
+    feed-forward; the output layer). Many small tensors: 16 per layer."""
+    import tensorflow as tf
+    embedding = tf.keras.layers.Embedding(vocabulary, width)
+    hidden = embedding(tokens)
+    made = [embedding]
+    for _ in range(layers):
+        attention = tf.keras.layers.MultiHeadAttention(heads, width // heads)
+        norms = [tf.keras.layers.LayerNormalization() for _ in range(2)]
+        feed = [tf.keras.layers.Dense(4 * width, activation="gelu"),
+                tf.keras.layers.Dense(width)]
+        hidden = norms[0](hidden + attention(hidden, hidden))
+        hidden = norms[1](hidden + feed[1](feed[0](hidden)))
+        made.extend([attention] + norms + feed)
+    output_layer = tf.keras.layers.Dense(vocabulary)
+    logits = output_layer(hidden[:, 0])
+    made.append(output_layer)
+    return logits, [variable for layer in made for variable in layer.trainable_variables]
+
+
 def transformer_model(batch: int = 8, layers: int = 12, width: int = 256, heads: int = 4,
-                      sequence: int = 128, vocabulary: int = 8000,
+                      sequence: int = TRANSFORMER_SEQUENCE,
+                      vocabulary: int = TRANSFORMER_VOCABULARY,
                       worker_device: str = "/job:worker/task:0", training: bool = True,
                       learning_rate: float = 0.01, seed: int = 0,
                       wrap_optimizer=None) -> PsModel:
-    """A BERT-style encoder (Keras layers) on synthetic tokens: many small tensors (16 per
-    layer: attention and feed-forward kernels and biases, two layer norms), for the
-    AllReduce benchmarks. Parameters on ``worker_device``."""
+    """:func:`transformer_network` on synthetic tokens, for the AllReduce benchmarks.
+    Parameters on ``worker_device``."""
     import tensorflow as tf
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.device(worker_device):
         tf.compat.v1.set_random_seed(seed)
         tokens = tf.random.stateless_uniform([batch, sequence], seed=[seed, 1],
                                              maxval=vocabulary, dtype=tf.int32)
-        embedding = tf.keras.layers.Embedding(vocabulary, width)
-        hidden = embedding(tokens)
-        variables = list(embedding.trainable_variables)
-        for _ in range(layers):
-            attention = tf.keras.layers.MultiHeadAttention(heads, width // heads)
-            norms = [tf.keras.layers.LayerNormalization() for _ in range(2)]
-            feed = [tf.keras.layers.Dense(4 * width, activation="gelu"),
-                    tf.keras.layers.Dense(width)]
-            hidden = norms[0](hidden + attention(hidden, hidden))
-            hidden = norms[1](hidden + feed[1](feed[0](hidden)))
-            for layer in [attention] + norms + feed:
-                variables.extend(layer.trainable_variables)
-        logits = tf.keras.layers.Dense(vocabulary)
-        output = logits(hidden[:, 0])
-        variables.extend(logits.trainable_variables)
+        output, variables = transformer_network(tokens, layers, width, heads, vocabulary)
         labels = tf.random.stateless_uniform([batch], seed=[seed, 2], maxval=vocabulary,
                                              dtype=tf.int32)
         loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
