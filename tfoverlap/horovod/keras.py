@@ -11,9 +11,9 @@ through::
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1)), ...)
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
 
-Cross-step overlap (:mod:`tfoverlap.horovod.keras_deferred`) is off by default here (it
-measured 1.01-1.04x, not yet on the default path); ``configure(cross_step=True)`` of
-:mod:`tfoverlap.horovod` turns it on. It needs ``compile(steps_per_execution=N)`` with
+Cross-step overlap (:mod:`tfoverlap.horovod.keras_deferred`) is "auto" by default: used
+where Caramel's plan predicts ``min_gain``; ``configure(cross_step=False)`` of
+:mod:`tfoverlap.horovod` turns it off. It needs ``compile(steps_per_execution=N)`` with
 N > 1: the reductions of a step's last gradients then run under the next step's forward
 pass within each call, and the call ends with the weights exactly as plain Horovod's.
 """
