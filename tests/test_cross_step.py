@@ -211,7 +211,7 @@ def test_a_cross_step_setting_other_than_true_false_or_auto_is_named(value):
 # of the train function (steps_per_execution=4) and is drained before it returns.
 KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_cross_step.py")
 KERAS_EXACT = ["sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
-               "schedule", "validation", "checkpoint", "embedding"]
+               "schedule", "validation", "checkpoint", "embedding", "embedding_dense"]
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,9 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
     - checkpoint: a tf.train.Checkpoint of model and optimizer after epoch 1, restored in
       a new model that trains epoch 2;
     - embedding: an Embedding first (its sparse gradient, ready last, stays in the step;
-      dense layers after it are deferred)."""
+      dense layers after it are deferred);
+    - embedding_dense: the same with sparse_as_dense=True: the embedding's gradient,
+      reduced dense as Horovod would, is deferred too."""
     for rank, records in enumerate(keras_patterns):
         plain, deferred = records[pattern]["horovod"], records[pattern]["tfoverlap"]
         assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)
@@ -245,6 +247,7 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
         for key in ("losses", "seen", "history", "checkpoint", "weights", "optimizer",
                     "rank0_evaluate"):
             assert deferred.get(key) == plain.get(key), (rank, key)
+        assert deferred["warnings"] == [], (rank, deferred["warnings"])
     if pattern == "momentum":
         # Chunk by chunk, one request each: each deferred chunk's reduction waits for
         # the one before it, and none waits for an update.
@@ -256,6 +259,11 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
         assert len(keras_patterns[0]["validation"]["tfoverlap"]["rank0_evaluate"]) == 2
     if pattern == "checkpoint":
         assert keras_patterns[0]["checkpoint"]["tfoverlap"]["checkpoint"]
+    if pattern.startswith("embedding"):
+        for records in keras_patterns:
+            names = records[pattern]["tfoverlap"]["deferred_names"]
+            assert any(name.startswith("embedding") for name in names) == (
+                pattern == "embedding_dense"), names
 
 
 def test_keras_fit_lets_the_plan_decide_by_default_and_stays_exact(keras_patterns):

@@ -107,3 +107,34 @@ def test_a_compression_other_than_horovods_is_refused_by_name():
     assert _refused(0.1, hvd.Compression.fp16) == ""
     refused = _refused(0.1, Scaled)
     assert refused.startswith("compression Scaled: only Horovod's none and fp16"), refused
+
+
+@pytest.mark.parametrize("carried_out, options, named", [
+    ((), {"cross_step": True}, "cross_step"),
+    (("cross_step",), {"cross_step": True}, None),         # Keras' model.fit
+    ((), {"cross_step": False}, None),
+    (("cross_step",), {"cross_step": True, "profile_steps": 3}, "profile_steps"),
+])
+def test_a_tf_function_step_names_the_options_it_does_not_carry_out(caplog, carried_out,
+                                                                    options, named):
+    """A tape's tf.function step is planned within the step: cross_step or profile_steps
+    asked for get one warning naming them; Keras' wrapper, which defers itself, none."""
+    import logging
+    import tfoverlap.horovod as tfo_hvd
+    from tfoverlap.horovod.wrappers import enable_for_functions
+    from tfoverlap.integrations.tf_function import get_function_config, set_function_config
+    previous = get_function_config()
+    tfo_hvd.configure(bandwidth=1e9, latency=1e-5, flops=1e12, threads=2, cycle_ms=1.0,
+                      **options)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tfoverlap"):
+            enable_for_functions(carried_out)
+    finally:
+        set_function_config(previous)
+        tfo_hvd.configure()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if named is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(f"tfoverlap: {named} asked for")
+

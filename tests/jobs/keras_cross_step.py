@@ -6,9 +6,11 @@ deferred.
 argv: the patterns to run (default: all of :data:`PATTERNS`). Prints one JSON line per
 rank: per pattern and variant, every loss the callbacks saw, the weights a callback read
 after each call, the validation losses, the checkpoint written after the first epoch
-(every tensor), the final weights and optimizer variables, the decision and any error.
+(every tensor), the final weights and optimizer variables, the decision, tfoverlap's
+warnings and any error.
 """
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -19,10 +21,11 @@ import horovod.tensorflow.keras as hvd_keras  # noqa: E402
 
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 import tfoverlap.horovod.keras as tfo_keras  # noqa: E402
+from job_logging import Warnings  # noqa: E402 - this directory
 
 PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
-            "schedule", "validation", "checkpoint", "embedding", "one_step_per_call",
-            "clipnorm", "auto")
+            "schedule", "validation", "checkpoint", "embedding", "embedding_dense",
+            "one_step_per_call", "clipnorm", "auto")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
 WIDTHS = [64, 64, 64, 64, 64, 10]
@@ -61,16 +64,17 @@ def model_for(pattern):
     tf.keras.utils.set_random_seed(7)
     layers = [tf.keras.layers.Dense(width, activation="relu" if i < len(WIDTHS) - 1 else None,
                                     name=f"dense{i}") for i, width in enumerate(WIDTHS)]
-    if pattern == "embedding":
+    if pattern.startswith("embedding"):
         # The first layer's gradient (ready last) is sparse (IndexedSlices): Horovod
-        # gathers it, and it is never deferred; the dense layers after it may be.
+        # gathers it, and it is never deferred; the dense layers after it may be. With
+        # sparse_as_dense (embedding_dense) it is reduced dense, and may be deferred.
         return tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Embedding(
             100, 8, name="embedding"), tf.keras.layers.Flatten()] + layers)
     return tf.keras.Sequential([tf.keras.Input((64,))] + layers)
 
 
 def inputs_for(pattern):
-    if pattern == "embedding":
+    if pattern.startswith("embedding"):
         return np.abs(INPUTS[:, :8] * 30).astype(np.int64) % 100
     return INPUTS
 
@@ -144,7 +148,8 @@ def train(pattern, variant):
 
 def _train(pattern, variant, distributed):
     model = model_for(pattern)
-    model.compile(optimizer=distributed.DistributedOptimizer(optimizer_for(pattern)),
+    model.compile(optimizer=distributed.DistributedOptimizer(
+                      optimizer_for(pattern), sparse_as_dense=pattern == "embedding_dense"),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   # (rank 0 alone evaluating a model with compiled metrics hangs
                   # horovod.tensorflow.keras itself: the validation pattern has none)
@@ -198,19 +203,28 @@ def _train(pattern, variant, distributed):
     record["decision"] = tfo_keras.cross_step_decision(model) if variant == "tfoverlap" else None
     if variant == "tfoverlap" and pattern == "momentum":
         record["deferred_reductions"] = deferred_reductions(model)
+    if variant == "tfoverlap" and pattern.startswith("embedding"):
+        from tfoverlap.horovod.keras_deferred import _deferrals
+        deferral = _deferrals[model]
+        record["deferred_names"] = sorted(deferral.variables[i].name
+                                          for i in deferral.deferred)
     return record
 
 
 tfo_hvd.configure(cross_step=True, **OPTIONS)
+caught = Warnings()
+logging.getLogger("tfoverlap").addHandler(caught)
 patterns = sys.argv[1:] or PATTERNS
 result = {"rank": RANK}
 for pattern in patterns:
     result[pattern] = {}
     for variant in ("horovod", "tfoverlap"):
+        caught.messages.clear()
         try:
             result[pattern][variant] = train(pattern, variant)
         except Exception as error:  # noqa: BLE001 - reported to the test
             result[pattern][variant] = {"error": f"{type(error).__name__}: {error}"}
+        result[pattern][variant]["warnings"] = list(caught.messages)
 RECORD = json.dumps(result)
 if os.environ.get("CROSS_STEP_RECORDS"):   # a file: the launcher's forwarding of a long
     with open(os.path.join(os.environ["CROSS_STEP_RECORDS"], f"rank-{RANK}.json"),

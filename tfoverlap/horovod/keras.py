@@ -42,7 +42,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     process_set = hvd.global_process_set if process_set is None else process_set
     keeps_horovods = keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op)
     if not keeps_horovods:
-        enable_for_functions()
+        enable_for_functions(carried_out=("cross_step",))
     wrapped = horovods(hvd_keras, "DistributedOptimizer")(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense,

@@ -164,6 +164,11 @@ def _minimize(optimizer, deferral, loss, var_list, tape):
     else:
         pairs = base.compute_gradients(loss, var_list, tape=tape)
     gradients = [gradient for gradient, _ in pairs]
+    if _optimizers[optimizer].get("sparse_as_dense"):
+        # What Horovod's reduction would do first: a dense gradient can wait in a buffer.
+        gradients = [tf.convert_to_tensor(gradient)
+                     if isinstance(gradient, tf.IndexedSlices) else gradient
+                     for gradient in gradients]
     index_of = {variable.ref(): i for i, variable in enumerate(deferral.variables)}
     positions = [index_of.get(variable.ref()) for _, variable in pairs]
     deferred = deferral.deferred

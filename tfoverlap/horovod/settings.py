@@ -26,7 +26,9 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
 
     ``cross_step``: graph-mode optimizers reduce the gradients that become ready last
     under the next step's forward pass (:mod:`tfoverlap.horovod.deferred`; every value a
-    run returns, every checkpoint and the final weights are plain Horovod's). "auto" (the
+    run returns, every checkpoint and the final weights are plain Horovod's), and so does
+    Keras ``model.fit`` within each call of N > 1 steps
+    (:mod:`tfoverlap.horovod.keras_deferred`). "auto" (the
     default): where Caramel's plan predicts a step at least ``min_gain`` faster than its
     in-step plan's; True: wherever a reduction fits under the forward pass; False:
     never.

@@ -175,13 +175,22 @@ def flush_op(graph=None):
     return deferred_flush(graph)
 
 
-def enable_for_functions() -> None:
+def enable_for_functions(carried_out: tuple = ()) -> None:
+    """Switches the Caramel pass on for this thread's ``tf.function`` graphs; one warning
+    names the wrapper options that were asked for and that such a step does not carry out
+    (those of graph-mode optimizers), except those the caller does (``carried_out``:
+    Keras' cross_step)."""
     from tfoverlap.api import enable_for_tf_function
-    if wrapper_options():
-        logger.warning("tfoverlap: %s applies to graph-mode (tf.compat.v1) optimizers; "
-                       "tf.function steps are planned when first traced, within the step, "
-                       "with static estimates or a profile file (profile=)",
-                       " and ".join(sorted(wrapper_options())))
+    asked = sorted(name for name, value in wrapper_options().items()
+                   if value is True or (type(value) is int and value > 0))
+    unused = [name for name in asked if name not in carried_out]
+    if unused:
+        logger.warning("tfoverlap: %s asked for, but only graph-mode (tf.compat.v1) "
+                       "optimizers%s carry it out; this tf.function step is planned when "
+                       "first traced, within the step, with static estimates or a profile "
+                       "file (profile=)", " and ".join(unused),
+                       " (and Keras model.fit, for cross_step)" if "cross_step" in unused
+                       else "")
     enable_for_tf_function(**caramel_options())
 
 
