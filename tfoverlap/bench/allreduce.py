@@ -90,15 +90,13 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
                       timeout: float = 3600.0, variants: str = MAIN_JOB_VARIANTS,
                       ranks: int = 2, emulate: str = "",
                       dilation: float | None = 1.0, breakdown: bool = True,
-                      api: str = "graph", steps_per_execution: int = 4,
-                      momentum: float = 0.9) -> dict:
+                      api: str = "graph", steps_per_execution: int = 4) -> dict:
     """The jobs of one configuration on a fresh network of ``ranks`` hosts; the raw
     measurements. ``bandwidth`` is in emulated units where ``emulate`` is given;
     ``dilation=None`` chooses it. ``breakdown``: a third job traces a few steps of each
     variant with Horovod's timeline, to split them (not timed). ``api="keras"``: the
     side-by-side job is :mod:`tfoverlap.bench.keras_worker`'s ``model.fit`` (``steps``
-    timed calls of ``steps_per_execution`` steps per block; SGD with ``momentum``), without
-    the traced job."""
+    timed calls of ``steps_per_execution`` steps per block), without the traced job."""
     from tfoverlap.testbed.network import EmulatedNetwork
     os.makedirs(workdir, exist_ok=True)
     automatic = bool(emulate) and dilation is None
@@ -116,8 +114,7 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
         progress(f"{model} at {link_name(bandwidth)}: {description}; side-by-side job")
         if api == "keras":
             worker = "tfoverlap.bench.keras_worker"
-            keras_calls = ["--steps-per-execution", str(steps_per_execution),
-                           "--momentum", str(momentum)]
+            keras_calls = ["--steps-per-execution", str(steps_per_execution)]
             main_job = _worker_job(network, common + keras_calls + [
                 "--rounds", str(rounds), "--calls", str(steps), "--variants", variants],
                 dilated_horovod_env(dilation), timeout, os.path.join(workdir, "main-job.log"),
@@ -171,7 +168,6 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
             "autotune": tuned and tuned["autotune_log_tail"],
             "breakdown": breakdowns, "figure_steps": figures, "api": api,
             "steps_per_execution": main_job.get("steps_per_execution"),
-            "momentum": main_job.get("momentum"),
             "steps_per_block": steps}
 
 
@@ -330,8 +326,6 @@ def summarize(result: dict) -> list[dict]:
         })
         if result.get("api") == "keras":
             rows[-1].update(api="keras", steps_per_execution=result["steps_per_execution"])
-            if result.get("momentum") is not None:
-                rows[-1]["momentum"] = result["momentum"]
         rounds = _round_ratios(times["horovod"], times[name], result.get("steps_per_block"))
         if rounds:
             rows[-1].update(round_low=min(rounds), round_high=max(rounds))
@@ -423,10 +417,6 @@ def main(argv=None) -> int:
     parser.add_argument("--steps-per-execution", type=int, default=4,
                         help="--api keras: compile(steps_per_execution=); --steps is "
                              "then the timed calls of the train function per block")
-    parser.add_argument("--momentum", type=float, default=0.9,
-                        help="--api keras: the SGD optimizer's momentum (0: plain SGD, "
-                             "no optimizer state, as graph mode trains; VGG-16 at 8 ranks "
-                             "fits in 24 GiB only so)")
     parser.add_argument("--results", help="also merge the rows into this JSON file "
                                            "(docs/results/*.json), replacing rows of the same "
                                            "model, mode, workers, link and variant")
@@ -450,8 +440,6 @@ def main(argv=None) -> int:
                 args.variants = "horovod,horovod_again,ddp25,caramel"
             if args.steps_per_execution < 1:
                 raise ValueError("--steps-per-execution must be >= 1")
-            if not 0 <= args.momentum < 1:
-                raise ValueError("--momentum must be in [0, 1)")
         chosen = args.variants.split(",")
         if "horovod" not in chosen or set(chosen) - set(VARIANT_NAMES):
             raise ValueError(f"--variants must include horovod and come from "
@@ -477,8 +465,7 @@ def main(argv=None) -> int:
                                        ranks=args.workers, emulate=args.emulate,
                                        dilation=dilation, breakdown=not args.no_breakdown,
                                        api=args.api,
-                                       steps_per_execution=args.steps_per_execution,
-                                       momentum=args.momentum)
+                                       steps_per_execution=args.steps_per_execution)
             results.append(result)
             rows.extend(summarize(result))
             progress(", ".join(f"{r['variant']} {r['median_s']:.3f}s ({r['speedup']:.2f}x)"

@@ -4,9 +4,8 @@ Run by :mod:`tfoverlap.bench.allreduce` (``--api keras``) as a Horovod job, one 
 emulated host. Every variant is the same model (a ``tf.keras.applications`` model, or the
 transformer of :func:`tfoverlap.testbed.models.transformer_network`), batch and seed,
 compiled with ``steps_per_execution`` (the same for all, what a Keras user sets for
-cross-step overlap) and trained with SGD (``--momentum``, 0.9 by default) on one synthetic
-batch repeated. The transformer's embedding gradient is reduced dense in every variant,
-as in graph mode.
+cross-step overlap) and trained on one synthetic batch repeated. The transformer's
+embedding gradient is reduced dense in every variant, as in graph mode.
 
   horovod        ``horovod.tensorflow.keras.DistributedOptimizer`` as is.
   horovod_again  the same again: the A/A row.
@@ -66,7 +65,7 @@ def _build(variant: str, args, emulation: dict):
     from tfoverlap.integrations.tf_function import get_function_config, set_function_config
     from tfoverlap.bench.allreduce_worker import ddp_groups
     previous = get_function_config()
-    optimizer = tf.keras.optimizers.SGD(0.01, momentum=args.momentum)
+    optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
     sparse_as_dense = args.model == "transformer"
     try:
         model = _model(args)
@@ -150,7 +149,6 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=2,
                         help="timed calls of the train function per block")
     parser.add_argument("--steps-per-execution", type=int, default=4)
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per variant")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emulate", default="", help="a device model or file")
@@ -198,7 +196,6 @@ def main(argv=None) -> int:
         print(json.dumps({
             "model": args.model, "batch": args.batch, "ranks": hvd_keras.size(),
             "api": "keras", "steps_per_execution": args.steps_per_execution,
-            "momentum": args.momentum,
             "parameter_bytes": sum(v.shape.num_elements() * v.dtype.size
                                    for v in model.trainable_variables),
             "tensors": len(model.trainable_variables), "times": times, "cpu": cpu,
