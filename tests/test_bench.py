@@ -139,6 +139,7 @@ def test_ddp_baseline_buckets_like_pytorch_ddp():
     (["--models", "seq32"], "unknown model"),
     (["--bandwidths", "fast"], "not understood"),
     (["--rounds", "0"], "must be >= 1"),
+    (["--api", "keras", "--variants", "horovod,caramel_forced"], "--variants must include"),
 ])
 def test_bad_horovod_benchmark_options_are_one_line_errors(capsys, argv, message):
     from tfoverlap.bench import allreduce
