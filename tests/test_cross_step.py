@@ -299,11 +299,89 @@ def test_keras_fit_outside_the_contract_defers_nothing_says_why_and_trains_exact
         assert deferred["weights"] == plain["weights"]
 
 
-@pytest.mark.parametrize("mode", ["graph", "keras"])
+# TF2 custom loops (tests/jobs/tape_cross_step.py): a DistributedGradientTape step in a
+# loop inside one tf.function; the pending state lives inside one call and is drained
+# after the loop.
+TAPE_JOB = os.path.join(os.path.dirname(__file__), "jobs", "tape_cross_step.py")
+TAPE_EXACT = ["sgd", "momentum", "adam", "adamw", "legacy_adam", "schedule", "iterator",
+              "between_calls", "checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def tape_patterns(tmp_path_factory):
+    """Each rank's record of each tape pattern and variant."""
+    return _contract_job(TAPE_JOB, tmp_path_factory.mktemp("tape_checkpoints"))
+
+
+@pytest.mark.parametrize("pattern", TAPE_EXACT)
+def test_a_tape_loop_defers_and_every_value_checkpoint_and_weight_is_horovods(tape_patterns,
+                                                                             pattern):
+    """Something was deferred in the loop's step, and what the program sees is
+    horovod.tensorflow's, bit for bit: the losses of each call, the weights read after
+    each call, the final weights and the optimizer's variables:
+    - sgd, momentum, adam, adamw, legacy_adam: Keras' optimizers (Adam's step count,
+      AdamW's decay), new and legacy;
+    - schedule: an exponentially decayed rate (each update at its own step's rate);
+    - iterator: the loop takes its batches with next() from a tf.data iterator;
+    - between_calls: rank 0 alone evaluates the model between calls (no collective:
+      exact values, no hang);
+    - checkpoint: a tf.train.Checkpoint of model and optimizer after the first call,
+      restored in a new model and optimizer that train the second call."""
+    for rank, records in enumerate(tape_patterns):
+        plain, deferred = records[pattern]["horovod"], records[pattern]["tfoverlap"]
+        assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)
+        decisions = deferred["decisions"]
+        assert decisions and all(d["deferred"] >= 1 and d["api"] == "tape"
+                                 for d in decisions), decisions
+        for key in ("losses", "seen", "checkpoint", "rank0_evaluate", "weights",
+                    "optimizer"):
+            assert deferred.get(key) == plain.get(key), (rank, key)
+        assert deferred["warnings"] == [], (rank, deferred["warnings"])
+    if pattern == "between_calls":
+        assert len(tape_patterns[0]["between_calls"]["tfoverlap"]["rank0_evaluate"]) == 2
+    if pattern == "checkpoint":
+        assert tape_patterns[0]["checkpoint"]["tfoverlap"]["checkpoint"]
+
+
+@pytest.mark.parametrize("pattern, reason", [
+    ("one_step_per_call", "one step per call"),
+    ("clip_global_norm", "clipped by global norm"),
+    ("auto", "min_gain")])
+def test_a_tape_step_outside_the_contract_defers_nothing_says_why_and_trains_exactly(
+        tape_patterns, pattern, reason):
+    """One step per call of the tf.function (the gradients would stay pending between
+    calls), a clip by global norm of the reduced gradients (apply_gradients does not get
+    them as the tape gave them), and "auto" where the plan predicts less than min_gain:
+    nothing deferred, one line or the decision says why, and training is plain
+    Horovod's."""
+    for records in tape_patterns:
+        plain, run = records[pattern]["horovod"], records[pattern]["tfoverlap"]
+        assert "error" not in run, run
+        assert all(d["deferred"] == 0 for d in run["decisions"]), run["decisions"]
+        said = run["warnings"] + [d.get("reason", "") for d in run["decisions"]]
+        assert any(reason in line for line in said), said
+        assert run["losses"] == plain["losses"] and run["weights"] == plain["weights"]
+        assert run["optimizer"] == plain["optimizer"]
+
+
+def test_a_tape_step_that_reads_a_deferred_variable_after_its_update_stops_clearly(
+        tape_patterns):
+    """A read of a deferred variable after apply_gradients, in the loop, would see it one
+    update behind: the trace stops, on every rank alike and before any step runs, with an
+    error that names the variable and what to do."""
+    for records in tape_patterns:
+        error = records["late_read"]["tfoverlap"]["error"]
+        assert "dense0/kernel" in error and "after its apply_gradients" in error, error
+        assert "cross_step=False" in error, error
+        assert "error" not in records["late_read"]["horovod"]
+
+
+@pytest.mark.parametrize("mode", ["graph", "keras", "tape"])
 def test_under_tfoverlap_run_a_plain_horovod_program_gets_the_wrappers_and_trains_exactly(
         mode):
     """``horovodrun ... tfoverlap run --allreduce caramel -- python train.py``: the
-    program's ``DistributedOptimizer`` (TF1 and Keras) is tfoverlap's, cross-step overlap
+    program's ``DistributedOptimizer`` (TF1 and Keras) or ``DistributedGradientTape`` (a
+    loop of steps in a ``tf.function``) is tfoverlap's, cross-step overlap
     decides for its step (one summary line per rank says so), and the losses and final
     weights are those of the same program without tfoverlap, bit for bit."""
     launch = [sys.executable, "-m", "tfoverlap", "run", "--allreduce", "caramel",

@@ -178,9 +178,10 @@ def _on_tensorflow(options: dict) -> None:
 
 
 def _substitute_wrappers(module_name: str, options: dict) -> None:
-    """``--allreduce caramel``: tfoverlap's DistributedOptimizer in place of Horovod's in
-    ``module_name`` (graph-mode and Keras optimizers then get Caramel's plan in the graph
-    being built, cross-step overlap included), planned with the run's options."""
+    """``--allreduce caramel``: tfoverlap's DistributedOptimizer (and DistributedGradientTape)
+    in place of Horovod's in ``module_name`` (graph-mode and Keras optimizers, and tape
+    steps, then get Caramel's plan in the graph being built, cross-step overlap included),
+    planned with the run's options."""
     try:
         import tfoverlap.horovod as tfo_hvd
         from tfoverlap.horovod.wrappers import substitute_in_horovod
@@ -191,7 +192,9 @@ def _substitute_wrappers(module_name: str, options: dict) -> None:
                                            tfo_keras.DistributedOptimizer})
         else:
             substitute_in_horovod(module, {"DistributedOptimizer":
-                                           tfo_hvd.DistributedOptimizer})
+                                           tfo_hvd.DistributedOptimizer,
+                                           "DistributedGradientTape":
+                                           tfo_hvd.DistributedGradientTape})
         modes = {name: getattr(parse_options(options), name)
                  for name in ("cross_step", "decouple") if name in options}
         tfo_hvd.configure(**modes, **{name: value for name, value in options.items()
@@ -207,8 +210,8 @@ def summary_line() -> str:
     from tfoverlap.passes.base import recent_reports
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     ordered, planned, declined, failed = {}, {}, [], 0
-    keras = sys.modules.get("tfoverlap.horovod.keras_deferred")
-    cross_step = list(keras.recent_decisions()) if keras else []
+    pipeline = sys.modules.get("tfoverlap.horovod.pipeline")
+    cross_step = list(pipeline.recent_decisions()) if pipeline else []
     decoupled = []
     for report in recent_reports():
         failed += report.reverted

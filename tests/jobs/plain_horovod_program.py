@@ -1,9 +1,10 @@
 """A plain Horovod program that never imports tfoverlap (tests/test_cross_step.py and
 tests/test_decoupled.py run it with and without ``tfoverlap run --allreduce caramel``).
 
-argv[1]: "graph" (TF1, ``hvd.DistributedOptimizer`` around Momentum, 4 session runs) or
+argv[1]: "graph" (TF1, ``hvd.DistributedOptimizer`` around Momentum, 4 session runs),
 "keras" (``horovod.tensorflow.keras.DistributedOptimizer`` in model.fit with
-steps_per_execution=2). Prints one JSON line per rank: the losses, the final weights,
+steps_per_execution=2) or "tape" (``hvd.DistributedGradientTape`` in a loop of 2 steps
+inside a ``tf.function``, called twice). Prints one JSON line per rank: the losses, the final weights,
 and the module the program's ``DistributedOptimizer`` came from.
 """
 import json
@@ -67,7 +68,36 @@ def train_keras():
             hvd_keras.DistributedOptimizer.__module__)
 
 
-losses, final, wrapper = train_graph() if MODE == "graph" else train_keras()
+def train_tape():
+    tf.keras.utils.set_random_seed(7)
+    model = tf.keras.Sequential([tf.keras.Input((64,))] + [
+        tf.keras.layers.Dense(w.shape[1], use_bias=False,
+                              activation="relu" if i < len(initial) - 1 else None)
+        for i, w in enumerate(initial)])
+    model.set_weights(initial)
+    optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    loss_function = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    batches = tf.constant(inputs.reshape(STEPS, BATCH, 64))
+    targets = tf.constant(labels.reshape(STEPS, BATCH))
+
+    @tf.function
+    def train(first):
+        losses = tf.TensorArray(tf.float32, size=2)
+        for i in tf.range(2):
+            with tf.GradientTape() as tape:
+                loss = loss_function(targets[first + i], model(batches[first + i]))
+            tape = hvd.DistributedGradientTape(tape)
+            gradients = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+            losses = losses.write(i, loss)
+        return losses.stack()
+
+    losses = [float(loss) for first in (0, 2) for loss in train(tf.constant(first)).numpy()]
+    return losses, model.get_weights(), hvd.DistributedGradientTape.__module__
+
+
+losses, final, wrapper = {"graph": train_graph, "keras": train_keras,
+                          "tape": train_tape}[MODE]()
 print(json.dumps({"rank": hvd.rank(), "losses": losses,
                   "weights": [w.ravel().tolist() for w in final], "wrapper": wrapper}),
       flush=True)

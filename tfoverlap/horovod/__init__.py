@@ -27,6 +27,8 @@ threads, Horovod's cycle) are used by every rank so that all ranks plan alike.
 """
 from __future__ import annotations
 
+import sys
+
 from tfoverlap.horovod.measure import host_facts, measure_flops, measure_network, warmup_profile
 from tfoverlap.horovod.settings import caramel_options, configure, network_model
 from tfoverlap.horovod.wrappers import DistributedGradientTape, DistributedOptimizer, flush_op
@@ -34,3 +36,8 @@ from tfoverlap.horovod.wrappers import DistributedGradientTape, DistributedOptim
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
            "measure_flops", "host_facts", "network_model", "caramel_options", "flush_op",
            "warmup_profile"]
+
+if "tensorflow" in sys.modules:
+    # A tape step's loop may be traced before its first tape is made: hook loops now.
+    from tfoverlap.horovod.tape_deferred import install as _install_loop_hooks
+    _install_loop_hooks()

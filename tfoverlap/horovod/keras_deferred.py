@@ -29,39 +29,22 @@ one line says why.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
 import weakref
 
+from tfoverlap.horovod.pipeline import (Deferral, apply_pending, build_slots, make_buffers,
+                                        optimizer_refused, record, reduce_without_cond)
 from tfoverlap.log import logger
 
-__all__ = ["install", "register", "decision_for", "recent_decisions", "deferral_refused"]
+__all__ = ["install", "register", "decision_for", "deferral_refused"]
 
-_deferrals = weakref.WeakKeyDictionary()    # Keras model -> _Deferral
+_deferrals = weakref.WeakKeyDictionary()    # Keras model -> Deferral
 _optimizers = weakref.WeakKeyDictionary()   # optimizer -> its Horovod reduction arguments
-_active: list = []                          # the _Deferral of the step being traced
+_active: list = []                          # the Deferral of the step being traced
 _fit_batch = [None]                         # the batch size of the last Keras data handler
-_decisions: list = []                       # every decision of this process, in order
 _installed = False
-
-
-@dataclasses.dataclass
-class _Deferral:
-    """One model's deferred gradients: which, their buffers, and the decision."""
-    decision: dict
-    chunks: list = dataclasses.field(default_factory=list)    # indices into variables
-    variables: list = dataclasses.field(default_factory=list)  # the trainable variables
-    buffers: dict = dataclasses.field(default_factory=dict)    # index -> buffer variable
-    pending: object = None                                     # tf.Variable(bool)
-    planning: dict | None = None    # while tracing the plan: allreduce name -> index
-    drain: object = None
-    drain_seconds: list = dataclasses.field(default_factory=list)   # per call, measured
-
-    @property
-    def deferred(self) -> set:
-        return {index for chunk in self.chunks for index in chunk}
 
 
 def decision_for(model) -> dict | None:
@@ -80,30 +63,14 @@ def decision_for(model) -> dict | None:
     return decision
 
 
-def recent_decisions() -> list[dict]:
-    """The decisions of this process's train functions (first traces), oldest first."""
-    return [dict(decision) for decision in _decisions]
-
-
 def deferral_refused(model, optimizer) -> str:
     """Why ``model.fit`` with ``optimizer`` cannot defer ("" if it can)."""
     import tensorflow as tf
-    new_api = tf.keras.optimizers.Optimizer
-    legacy_api = tf.keras.optimizers.legacy.Optimizer
-    if isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer) or not isinstance(
-            optimizer, (new_api, legacy_api)):
-        return f"{type(optimizer).__name__}: only Keras' own optimizers are deferred"
+    refused = optimizer_refused(optimizer)
+    if refused:
+        return refused
     if getattr(optimizer, "_local_vars", None):
         return "local variables (register_local_var) are reduced apart"
-    if isinstance(optimizer, new_api) and (
-            optimizer.clipnorm or optimizer.clipvalue or optimizer.global_clipnorm
-            or optimizer.use_ema):
-        return ("gradient clipping or moving averages of the weights (they look at every "
-                "gradient or weight of the step at once)")
-    if isinstance(optimizer, legacy_api) and (
-            getattr(optimizer, "clipnorm", None) or getattr(optimizer, "clipvalue", None)
-            or getattr(optimizer, "global_clipnorm", None)):
-        return "gradient clipping (it looks at every gradient of the step at once)"
     if model.run_eagerly or model.jit_compile:
         return "run_eagerly or jit_compile (the steps of a call are not one graph)"
     if getattr(model, "_cluster_coordinator", None):
@@ -140,8 +107,7 @@ def _reduce(optimizer, gradients, deferred: bool):
     """Horovod's reduction of ``gradients`` as plain HorovodAllreduce ops (those Horovod's
     cond holds), marked as deferred ones where ``deferred``."""
     from tfoverlap.horovod.deferred import mark_deferred, reducing_allreduce
-    from tfoverlap.horovod.wrappers import _reduce_without_cond
-    reduced = _reduce_without_cond(gradients, **_optimizers[optimizer])
+    reduced = reduce_without_cond(gradients, **_optimizers[optimizer])
     if deferred:
         for tensor in reduced:
             mark_deferred(reducing_allreduce(tensor))
@@ -194,41 +160,13 @@ def _minimize(optimizer, deferral, loss, var_list, tape):
                                       for i, gradient in zip(kept, reduced)])
 
 
-def _apply_pending(optimizer, deferral) -> None:
-    """Reduces and applies the pending deferred gradients, chunk by chunk, at the step
-    count they came from; nothing where none is pending.
-
-    Each chunk's reduction starts when the one before it has been reduced, not applied:
-    the ring goes from chunk to chunk, one request each, while the updates (which
-    TensorFlow runs one after another, as they share the optimizer's step counter) and
-    the forward pass follow behind."""
-    import tensorflow as tf
-    reduced_chunks, previous = [], []
-    for chunk in deferral.chunks:
-        def reduce(chunk=chunk):
-            return _reduce(optimizer, [deferral.buffers[i].read_value() for i in chunk],
-                           deferred=True)
-
-        def nothing(chunk=chunk):
-            return [tf.zeros_like(deferral.buffers[i]) for i in chunk]
-
-        with tf.control_dependencies(previous):
-            reduced = tf.cond(deferral.pending, reduce, nothing)
-        reduced = reduced if isinstance(reduced, (list, tuple)) else [reduced]
-        reduced_chunks.append(reduced)
-        previous = list(reduced)
-    for chunk, reduced in zip(deferral.chunks, reduced_chunks):
-        def apply(chunk=chunk, reduced=reduced):
-            optimizer.iterations.assign_sub(1)     # apply_gradients counts it back
-            optimizer.apply_gradients([(gradient, deferral.variables[i])
-                                       for gradient, i in zip(reduced, chunk)])
-            return tf.constant(True)
-
-        tf.cond(deferral.pending, apply, lambda: tf.constant(False))
-    deferral.pending.assign(False)
+def _apply_pending(optimizer, deferral) -> list:
+    """What the step before left pending, reduced and applied (:func:`apply_pending`)."""
+    return apply_pending(optimizer, deferral,
+                         lambda tensors: _reduce(optimizer, tensors, deferred=True))
 
 
-def _plan(model, optimizer, train_step, data) -> _Deferral:
+def _plan(model, optimizer, train_step, data) -> Deferral:
     """Traces ``train_step`` apart, plans the deferral from that graph, and builds the
     buffers; a deferral of nothing (with the reason) where it should not defer."""
     import tensorflow as tf
@@ -237,7 +175,7 @@ def _plan(model, optimizer, train_step, data) -> _Deferral:
     from tfoverlap.horovod.settings import wrapper_option
     mode = wrapper_option("cross_step", "auto")
     level = logging.WARNING if mode is True else logging.INFO
-    deferral = _Deferral(decision={"mode": "auto" if mode == "auto" else "on", "deferred": 0},
+    deferral = Deferral(decision={"mode": "auto" if mode == "auto" else "on", "deferred": 0},
                          variables=list(model.trainable_variables))
     refused = deferral_refused(model, optimizer)
     if refused:
@@ -246,7 +184,7 @@ def _plan(model, optimizer, train_step, data) -> _Deferral:
         return deferral
     deferral.planning = {}
     try:
-        _build_slots(optimizer, deferral.variables)
+        build_slots(optimizer, deferral.variables)
         spec = tf.nest.map_structure(lambda value: _batch_spec(value, _fit_batch[0]), data)
         _active.append(deferral)
         try:
@@ -272,13 +210,7 @@ def _plan(model, optimizer, train_step, data) -> _Deferral:
                    deferral.decision.get("reason"))
         return deferral
     deferral.chunks = chunks
-    with tf.init_scope():
-        for index in deferral.deferred:
-            variable = deferral.variables[index]
-            deferral.buffers[index] = tf.Variable(
-                tf.zeros(variable.shape, variable.dtype), trainable=False,
-                name=f"tfoverlap_deferred_{index}")
-        deferral.pending = tf.Variable(False, trainable=False, name="tfoverlap_pending")
+    make_buffers(deferral)
     deferral.drain = tf.function(lambda: _apply_pending(optimizer, deferral))
     mb = sum(deferral.buffers[i].shape.num_elements() * deferral.buffers[i].dtype.size
              for i in deferral.deferred) / 1e6
@@ -304,18 +236,6 @@ def _batch_spec(value, batch):
     return tf.TensorSpec(shape, value.dtype)
 
 
-def _build_slots(optimizer, variables) -> None:
-    """Creates the optimizer's slots for every variable now, as its first full
-    apply_gradients would (a first apply of a subset would build the new optimizers for
-    that subset only)."""
-    import tensorflow as tf
-    with tf.init_scope():
-        if isinstance(optimizer, tf.keras.optimizers.Optimizer):
-            optimizer.build(variables)
-        else:
-            optimizer._create_all_weights(variables)  # noqa: SLF001 - apply_gradients' own
-
-
 def _pipelined(model, train_step, own_step):
     """``train_step`` that first applies what the step before left pending (``own_step``:
     the train_step the program set on the model itself, if any)."""
@@ -323,7 +243,7 @@ def _pipelined(model, train_step, own_step):
         deferral = _deferrals.get(model)
         if deferral is None:
             deferral = _deferrals[model] = _plan(model, model.optimizer, train_step, data)
-            _decisions.append(deferral.decision)
+            record(deferral.decision)
         if not deferral.chunks:
             return train_step(data)
         _apply_pending(model.optimizer, deferral)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from tfoverlap.horovod.pipeline import reduce_without_cond
 from tfoverlap.horovod.scheduling import (decouple_and_schedule, defer_and_schedule,
                                           schedule_in_place)
 from tfoverlap.horovod.settings import caramel_options, wrapper_option, wrapper_options
@@ -31,29 +32,6 @@ def substitute_in_horovod(module, wrappers: dict) -> None:
     for name, wrapper in wrappers.items():
         _horovods.setdefault((module.__name__, name), getattr(module, name))
         setattr(module, name, wrapper)
-
-
-def _reduce_without_cond(grads, device_dense, device_sparse, compression, sparse_as_dense,
-                         op, gradient_predivide_factor, process_set):
-    """Horovod's gradient reduction as plain ops (what Horovod's cond holds)."""
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-    if op == hvd.Average and gradient_predivide_factor != 1.0:
-        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
-    else:
-        prescale = postscale = 1.0
-    reduced = []
-    for grad in grads:
-        if grad is None:
-            reduced.append(None)
-            continue
-        if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
-            grad = tf.convert_to_tensor(grad)
-        reduced.append(hvd.allreduce(grad, device_dense=device_dense,
-                                     device_sparse=device_sparse, compression=compression,
-                                     op=op, prescale_factor=prescale,
-                                     postscale_factor=postscale, process_set=process_set))
-    return reduced
 
 
 def keeps_horovods_reduction(groups, num_groups: int, backward_passes_per_step: int,
@@ -107,9 +85,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     pending: dict = {}      # cross_step: what apply_gradients defers once the updates exist
 
     def reduce_and_schedule(grads, variables=None, use_generic_names=False):
-        reduced = _reduce_without_cond(grads, device_dense, device_sparse, compression,
-                                       sparse_as_dense, op, gradient_predivide_factor,
-                                       process_set)
+        reduced = reduce_without_cond(grads, device_dense, device_sparse, compression,
+                                      sparse_as_dense, op, gradient_predivide_factor,
+                                      process_set)
         if process_set.size() < 2:
             return reduced
         from tfoverlap.horovod.deferred import deferral_refused, reducing_allreduce
@@ -199,19 +177,28 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                             num_groups=0, groups=None, process_set=None,
                             scale_local_gradients=True):
     """``hvd.DistributedGradientTape`` with Caramel's schedule for ``tf.function`` steps
-    (same arguments)."""
+    (same arguments), and cross-step overlap where the steps run in a loop inside one
+    ``tf.function`` (:mod:`tfoverlap.horovod.tape_deferred`)."""
     import horovod.tensorflow as hvd
     compression = hvd.Compression.none if compression is None else compression
     op = hvd.Average if op is None else op
     process_set = hvd.global_process_set if process_set is None else process_set
-    if groups is None and not num_groups:
-        enable_for_functions()
-    else:
+    explicit_groups = groups is not None or num_groups
+    if explicit_groups:
         logger.warning("tfoverlap: explicit groups: Horovod's own reduction is used, "
                        "without Caramel")
-    return hvd.DistributedGradientTape(
+    else:
+        enable_for_functions(carried_out=("cross_step",))
+    tape = horovods(hvd, "DistributedGradientTape")(
         gradtape, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense, op=op,
         gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
         groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
-
+    mode = wrapper_option("cross_step", "auto")
+    if not explicit_groups and mode and process_set.size() > 1:
+        from tfoverlap.horovod.tape_deferred import attach
+        attach(tape, dict(device_dense=device_dense, device_sparse=device_sparse,
+                          compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                          gradient_predivide_factor=gradient_predivide_factor,
+                          process_set=process_set), mode)
+    return tape

@@ -1,0 +1,158 @@
+"""Cross-step overlap within one call of a ``tf.function``: what Keras ``model.fit``
+(:mod:`tfoverlap.horovod.keras_deferred`) and a loop of tape steps
+(:mod:`tfoverlap.horovod.tape_deferred`) share.
+
+A step keeps the unreduced gradients that become ready last in buffers and marks them
+pending; the next step of the same call first reduces and applies them, chunk by chunk,
+at the step count they came from, while its forward pass reads each variable after its
+chunk's update; the call ends with a drain of what the last step left pending. So between
+calls nothing is pending and user code sees plain Horovod's weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Deferral", "reduce_without_cond", "apply_pending", "build_slots",
+           "make_buffers", "optimizer_refused", "record", "recent_decisions"]
+
+_decisions: list = []       # every cross-step decision of this process, in order
+_buffers: dict = {}         # variable ref -> its buffer (one per variable, however traced)
+_pending: dict = {}         # tuple of the deferred variables' refs -> their pending flag
+
+
+@dataclasses.dataclass
+class Deferral:
+    """One set of deferred gradients: which, their buffers, and the decision."""
+    decision: dict
+    chunks: list = dataclasses.field(default_factory=list)    # indices into variables
+    variables: list = dataclasses.field(default_factory=list)  # the trainable variables
+    buffers: dict = dataclasses.field(default_factory=dict)    # index -> buffer variable
+    pending: object = None                                     # tf.Variable(bool)
+    planning: dict | None = None    # while tracing the plan: allreduce name -> index
+    drain: object = None
+    drain_seconds: list = dataclasses.field(default_factory=list)   # per call, measured
+
+    @property
+    def deferred(self) -> set:
+        return {index for chunk in self.chunks for index in chunk}
+
+
+def record(decision: dict) -> None:
+    """Keeps ``decision`` for :func:`recent_decisions` (tfoverlap run's summary line)."""
+    _decisions.append(decision)
+
+
+def recent_decisions() -> list[dict]:
+    """The cross-step decisions of this process's train functions and tape loops (first
+    traces), oldest first."""
+    return [dict(decision) for decision in _decisions]
+
+
+def reduce_without_cond(grads, device_dense, device_sparse, compression, sparse_as_dense,
+                        op, gradient_predivide_factor, process_set):
+    """Horovod's gradient reduction as plain ops (what Horovod's cond holds)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    if op == hvd.Average and gradient_predivide_factor != 1.0:
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    else:
+        prescale = postscale = 1.0
+    reduced = []
+    for grad in grads:
+        if grad is None:
+            reduced.append(None)
+            continue
+        if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        reduced.append(hvd.allreduce(grad, device_dense=device_dense,
+                                     device_sparse=device_sparse, compression=compression,
+                                     op=op, prescale_factor=prescale,
+                                     postscale_factor=postscale, process_set=process_set))
+    return reduced
+
+
+def optimizer_refused(optimizer) -> str:
+    """Why a Keras ``optimizer``'s updates cannot be deferred ("" if they can)."""
+    import tensorflow as tf
+    new_api = tf.keras.optimizers.Optimizer
+    legacy_api = tf.keras.optimizers.legacy.Optimizer
+    if isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer) or not isinstance(
+            optimizer, (new_api, legacy_api)):
+        return f"{type(optimizer).__name__}: only Keras' own optimizers are deferred"
+    if isinstance(optimizer, new_api) and (
+            optimizer.clipnorm or optimizer.clipvalue or optimizer.global_clipnorm
+            or optimizer.use_ema):
+        return ("gradient clipping or moving averages of the weights (they look at every "
+                "gradient or weight of the step at once)")
+    if isinstance(optimizer, legacy_api) and (
+            getattr(optimizer, "clipnorm", None) or getattr(optimizer, "clipvalue", None)
+            or getattr(optimizer, "global_clipnorm", None)):
+        return "gradient clipping (it looks at every gradient of the step at once)"
+    return ""
+
+
+def build_slots(optimizer, variables) -> None:
+    """Creates the optimizer's slots for every variable now, as its first full
+    apply_gradients would (a first apply of a subset would build the new optimizers for
+    that subset only)."""
+    import tensorflow as tf
+    with tf.init_scope():
+        if isinstance(optimizer, tf.keras.optimizers.Optimizer):
+            optimizer.build(variables)
+        else:
+            optimizer._create_all_weights(variables)  # noqa: SLF001 - apply_gradients' own
+
+
+def make_buffers(deferral: Deferral) -> None:
+    """The deferred gradients' buffers and the pending flag, made once per variable (a
+    function traced again uses the same ones: TensorFlow makes variables on a first trace
+    only)."""
+    import tensorflow as tf
+    with tf.init_scope():
+        for index in sorted(deferral.deferred):
+            variable = deferral.variables[index]
+            if variable.ref() not in _buffers:
+                _buffers[variable.ref()] = tf.Variable(
+                    tf.zeros(variable.shape, variable.dtype), trainable=False,
+                    name=f"tfoverlap_deferred_{index}")
+            deferral.buffers[index] = _buffers[variable.ref()]
+        key = tuple(deferral.variables[i].ref() for i in sorted(deferral.deferred))
+        if key not in _pending:
+            _pending[key] = tf.Variable(False, trainable=False, name="tfoverlap_pending")
+        deferral.pending = _pending[key]
+
+
+def apply_pending(optimizer, deferral: Deferral, reduce) -> list:
+    """Reduces (``reduce``: a list of tensors to their deferred reductions) and applies the
+    pending deferred gradients, chunk by chunk, at the step count they came from; nothing
+    where none is pending. Returns each chunk's update (a boolean tensor), in order.
+
+    Each chunk's reduction starts when the one before it has been reduced, not applied:
+    the ring goes from chunk to chunk, one request each, while the updates (which
+    TensorFlow runs one after another, as they share the optimizer's step counter) and
+    the forward pass follow behind."""
+    import tensorflow as tf
+    reduced_chunks, previous = [], []
+    for chunk in deferral.chunks:
+        def reduce_chunk(chunk=chunk):
+            return reduce([deferral.buffers[i].read_value() for i in chunk])
+
+        def nothing(chunk=chunk):
+            return [tf.zeros_like(deferral.buffers[i]) for i in chunk]
+
+        with tf.control_dependencies(previous):
+            reduced = tf.cond(deferral.pending, reduce_chunk, nothing)
+        reduced = reduced if isinstance(reduced, (list, tuple)) else [reduced]
+        reduced_chunks.append(reduced)
+        previous = list(reduced)
+    updates = []
+    for chunk, reduced in zip(deferral.chunks, reduced_chunks):
+        def apply(chunk=chunk, reduced=reduced):
+            optimizer.iterations.assign_sub(1)     # apply_gradients counts it back
+            optimizer.apply_gradients([(gradient, deferral.variables[i])
+                                       for gradient, i in zip(reduced, chunk)])
+            return tf.constant(True)
+
+        updates.append(tf.cond(deferral.pending, apply, lambda: tf.constant(False)))
+    deferral.pending.assign(False)
+    return updates

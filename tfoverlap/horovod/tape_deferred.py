@@ -1,0 +1,416 @@
+"""Cross-step overlap for ``DistributedGradientTape`` steps that run in a loop inside one
+``tf.function`` (``for _ in tf.range(n)``, or ``next(iterator)`` in such a loop).
+
+A function that runs one step per call would leave reductions pending between calls,
+where the program reads the weights: there nothing is deferred, and one line says why. A
+loop inside the function runs many steps in one call, as Keras' ``steps_per_execution``
+does, and the pending state lives inside that call (:mod:`tfoverlap.horovod.pipeline`):
+
+- The tape reduces every gradient of the step as Horovod does, and Caramel plans from the
+  step's graph which reductions (of the gradients ready last) go under the next step's
+  forward pass.
+- When the step's ``apply_gradients`` gets exactly those reduced gradients, and nothing
+  else in the step uses them, it stores the unreduced ones in buffers instead (the
+  reductions it was given stay unused, and TensorFlow prunes them), first reduces and
+  applies what the previous iteration left pending, and then applies the others. The
+  step's reads of each deferred variable, traced before, wait for its chunk's update.
+  TensorFlow's automatic control dependencies would order those reads before the update
+  (they were traced first), so they are kept out of that ordering (:func:`_unordered`).
+- After the loop, in the same function, a drain applies what the last iteration left
+  pending. When the call returns, nothing is pending: every value the program sees is
+  plain Horovod's, and each gradient is applied once.
+
+Anything else keeps Horovod's reduction in the step, with one line saying why: another use
+of a deferred gradient (clipping by global norm, a logged norm), an optimizer that is not
+Keras' own or that clips, a deferred variable used by other than plain reads before the
+update. A read of a deferred variable after the step's ``apply_gradients`` in the loop
+would see it one update behind: it stops the trace with an error that says what to do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import weakref
+
+from tfoverlap.horovod.pipeline import (Deferral, apply_pending, build_slots, make_buffers,
+                                        optimizer_refused, record, reduce_without_cond)
+from tfoverlap.log import logger
+
+__all__ = ["attach", "install"]
+
+#: the ops that only read a variable: those of a deferred one may come before its update
+READ_OPS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"))
+
+_loops: list = []                            # the while loops being traced, innermost last
+_by_gradient: dict = {}                      # reduced gradient (ref) -> its _TapeDeferral
+_unordered_reads = weakref.WeakKeyDictionary()   # graph -> names of reads ACD leaves alone
+_plans: dict = {}                            # the variables' refs -> (chunks, decision)
+_installed = False
+
+
+@dataclasses.dataclass
+class _Loop:
+    """A while loop being traced: the graph it is built in, the deferrals its body
+    planned, and those it applied."""
+    graph: object
+    planned: list = dataclasses.field(default_factory=list)
+    deferrals: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _TapeDeferral(Deferral):
+    """A tape step's deferral: where it was traced and what the tape returned."""
+    body: object = None             # the loop body's graph
+    loop: _Loop | None = None
+    level: int = logging.INFO       # of its lines: WARNING where cross_step=True asked
+    gradients: list = dataclasses.field(default_factory=list)   # unreduced, by index
+    reduced: list = dataclasses.field(default_factory=list)     # what the tape returned
+    reduction: dict = dataclasses.field(default_factory=dict)   # Horovod's arguments
+    optimizer: object = None
+    traced: int = 0                 # the body's ops up to the last of the deferral's own
+
+    def reduce(self, tensors):
+        """``tensors`` reduced as Horovod would, marked as deferred reductions."""
+        from tfoverlap.horovod.deferred import mark_deferred, reducing_allreduce
+        reduced = reduce_without_cond(tensors, **self.reduction)
+        for tensor in reduced:
+            mark_deferred(reducing_allreduce(tensor))
+        return reduced
+
+
+def attach(tape, reduction: dict, mode) -> None:
+    """Makes Horovod's ``tape`` (its reduction's arguments in ``reduction``) plan
+    cross-step overlap (``mode``: "auto" or True) where its ``gradient`` is traced in the
+    body of a loop inside a ``tf.function``."""
+    import tensorflow as tf
+    install()
+    _intercept_optimizers()
+    plain = tape._allreduce_grads       # noqa: SLF001 - Horovod's hook, as the optimizer's
+
+    @tf.autograph.experimental.do_not_convert     # the program's loop body is converted
+    def allreduce_grads(grads, variables, use_generic_names=False):
+        return _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names)
+
+    tape._allreduce_grads = allreduce_grads     # noqa: SLF001
+
+
+def _loop_of(graph) -> _Loop | None:
+    """The loop whose body ``graph`` is, if it is one being traced."""
+    from tensorflow.python.ops.control_flow_v2_func_graphs import WhileBodyFuncGraph
+    if _loops and isinstance(graph, WhileBodyFuncGraph) and graph.outer_graph is _loops[-1].graph:
+        return _loops[-1]
+    return None
+
+
+def _staging(graph) -> bool:
+    """Whether ``graph`` is AutoGraph's trial trace of a loop body (it infers the types of
+    variables first set in the loop from it, and drops it)."""
+    from tensorflow.python.framework.func_graph import FuncGraph
+    return type(graph) is FuncGraph and graph.name == "tmp"
+
+
+def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names):
+    """The tape's reduction: Horovod's own outside a loop body; in one, every gradient
+    reduced in the step by plain HorovodAllreduce ops, and the deferral planned."""
+    import tensorflow as tf
+
+    from tfoverlap.horovod.deferred import reducing_allreduce
+    from tfoverlap.horovod.scheduling import plan_deferral
+    from tensorflow.python.ops.control_flow_v2_func_graphs import WhileBodyFuncGraph
+    level = logging.WARNING if mode is True else logging.INFO
+    graph = tf.compat.v1.get_default_graph()
+    loop = _loop_of(graph)
+    key = tuple(variable.ref() for variable in variables)
+    if loop is None:
+        if isinstance(graph, WhileBodyFuncGraph):
+            # A loop whose trace began before the hooks were installed has no drain; the
+            # later traces of it must decide as this one.
+            _plans.setdefault(key, ([], {"reason": "the loop was traced before "
+                                                   "tfoverlap.horovod was imported"}))
+        elif not _staging(graph):
+            _say(level, "DistributedGradientTape: nothing deferred: one step per call of "
+                        "the tf.function (or a step run eagerly); its gradients would stay "
+                        "pending between calls, where the program reads the weights. A "
+                        "loop of steps inside one tf.function (for _ in tf.range(n)) "
+                        "overlaps them with the next step of the call")
+        return plain(grads, variables, use_generic_names)
+    if key in _plans and not _plans[key][0]:      # decided on the first trace: nothing
+        return plain(grads, variables, use_generic_names)
+    reduced = reduce_without_cond(grads, **reduction)
+    deferral = _TapeDeferral(decision={"mode": "auto" if mode == "auto" else "on",
+                                       "deferred": 0, "api": "tape"},
+                             variables=list(variables), body=graph, loop=loop, level=level,
+                             reduced=list(reduced), reduction=dict(reduction))
+    dense = reduction.get("sparse_as_dense")
+    for gradient in grads:
+        if isinstance(gradient, tf.IndexedSlices) and dense:
+            gradient = tf.convert_to_tensor(gradient)
+        deferral.gradients.append(gradient)
+    own = {reducing_allreduce(tensor).name: i
+           for i, (tensor, gradient) in enumerate(zip(reduced, deferral.gradients))
+           if isinstance(tensor, tf.Tensor) and isinstance(gradient, tf.Tensor)}
+    if key not in _plans:
+        # The first trace decides for the process: a function traced again (TensorFlow
+        # traces twice where a first trace made variables) must make the same steps on
+        # every rank, and may not make buffers.
+        _plans[key] = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode)
+    chunks, decision = _plans[key]
+    deferral.decision.update(decision, api="tape")
+    deferred = sum(len(chunk) for chunk in chunks)
+    if chunks and deferred >= len(own):
+        chunks, deferral.decision["reason"] = [], "every gradient would be deferred"
+    if not chunks:
+        record(deferral.decision)
+        _say(level, f"nothing deferred: {deferral.decision.get('reason')}")
+        return reduced
+    deferral.chunks = chunks
+    make_buffers(deferral)
+    for index in deferral.deferred:
+        _by_gradient[reduced[index].ref()] = deferral
+    loop.planned.append(deferral)
+    return reduced
+
+
+def _say(level: int, message: str) -> None:
+    from tfoverlap.log import info_once, warn_once
+    (warn_once if level >= logging.WARNING else info_once)(f"tfoverlap: cross_step: {message}")
+
+
+def install() -> None:
+    """Hooks the end of while loops (for the drain) and TensorFlow's automatic control
+    dependencies (for the reads); cheap, and idle where nothing is deferred. The hooks must
+    be in place before a loop's trace begins: ``tfoverlap.horovod`` installs them when
+    imported after TensorFlow."""
+    global _installed
+    if _installed:
+        return
+    import tensorflow as tf
+    from tensorflow.python.framework import auto_control_deps
+    from tensorflow.python.ops import while_v2
+    plain_while = while_v2.while_loop
+
+    @functools.wraps(plain_while)
+    def while_loop(*args, **kwargs):
+        loop = _Loop(graph=tf.compat.v1.get_default_graph())
+        _loops.append(loop)
+        try:
+            outputs = plain_while(*args, **kwargs)
+        finally:
+            _loops.pop()
+            _forget(loop)
+        if loop.deferrals:
+            _drain(loop, outputs)
+        return outputs
+
+    while_v2.while_loop = while_loop
+    auto_control_deps.register_acd_resource_resolver(_unordered)
+    _installed = True
+
+
+def _forget(loop: _Loop) -> None:
+    """Drops what ``loop``'s deferrals left for apply_gradients to find; one line for each
+    that no apply_gradients took (its gradients were changed or not applied)."""
+    for deferral in loop.planned:
+        for index in deferral.deferred:
+            _by_gradient.pop(deferral.reduced[index].ref(), None)
+        if deferral.optimizer is None and not deferral.decision.get("reason"):
+            deferral.decision["reason"] = (
+                "no apply_gradients of the step got the tape's reduced gradients as they "
+                "were (changed first: clipped by global norm, scaled, ...)")
+            record(deferral.decision)
+            _say(deferral.level, f"nothing deferred: {deferral.decision['reason']}")
+
+
+def _intercept_optimizers() -> None:
+    """Makes Keras optimizers' ``apply_gradients`` defer where it gets a tape's
+    deferrable gradients (once)."""
+    import tensorflow as tf
+    for optimizer_class in (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer):
+        if not getattr(optimizer_class.apply_gradients, "tfoverlap_deferring", False):
+            _intercept(optimizer_class)
+
+
+def _intercept(optimizer_class) -> None:
+    """``optimizer_class.apply_gradients``, deferring where it gets a tape's deferrable
+    gradients."""
+    import tensorflow as tf
+    plain_apply = optimizer_class.apply_gradients
+
+    @functools.wraps(plain_apply)
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        pairs = list(grads_and_vars)
+        deferral = _claimed(pairs)
+        if deferral is None:
+            return plain_apply(self, pairs, *args, **kwargs)
+        return _defer(self, deferral, pairs,
+                      lambda kept: plain_apply(self, kept, *args, **kwargs))
+
+    apply_gradients = tf.autograph.experimental.do_not_convert(apply_gradients)
+    apply_gradients.tfoverlap_deferring = True
+    optimizer_class.apply_gradients = apply_gradients
+
+
+def _claimed(pairs) -> _TapeDeferral | None:
+    """The deferral whose reduced gradients are among ``pairs``, if any."""
+    import tensorflow as tf
+    if not _by_gradient or tf.executing_eagerly():
+        return None
+    for gradient, _ in pairs:
+        if isinstance(gradient, tf.Tensor):
+            deferral = _by_gradient.get(gradient.ref())
+            if deferral is not None:
+                return deferral
+    return None
+
+
+def _handle_in(graph, variable):
+    """``variable``'s handle as ``graph`` captured it (through its outer graphs), or None."""
+    outer = getattr(graph, "outer_graph", None)
+    externals = [variable.handle]
+    if outer is not None and hasattr(outer, "captures"):
+        externals.append(_handle_in(outer, variable))
+    for captured, internal in graph.captures:
+        if any(captured is external for external in externals):
+            return internal
+    return None
+
+
+def _optimizer_variables(optimizer) -> list:
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def _refused(optimizer, deferral: _TapeDeferral, pairs, reads: dict) -> str:
+    """Why this ``apply_gradients`` cannot defer ("" if it can); fills ``reads`` (index ->
+    the ops that read the variable before its update)."""
+    import tensorflow as tf
+    graph = tf.compat.v1.get_default_graph()
+    if graph is not deferral.body or deferral.optimizer is not None:
+        return "apply_gradients was called outside the step that took the gradients"
+    refused = optimizer_refused(optimizer)
+    if refused:
+        return refused
+    given = {gradient.ref(): variable for gradient, variable in pairs
+             if isinstance(gradient, tf.Tensor)}
+    for index in deferral.deferred:
+        gradient = deferral.reduced[index]
+        if given.get(gradient.ref()) is not deferral.variables[index] or gradient.consumers():
+            return ("a reduced gradient is used by other ops than the update, or changed "
+                    "before it (clipping by global norm, a logged norm)")
+    state = _optimizer_variables(optimizer)
+    state += [deferral.buffers[i] for i in deferral.deferred] + [deferral.pending]
+    state += [deferral.variables[i] for i in deferral.deferred]
+    for index in deferral.deferred:
+        handle = _handle_in(graph, deferral.variables[index])
+        reads[index] = [] if handle is None else list(handle.consumers())
+        other = [op.type for op in reads[index] if op.type not in READ_OPS]
+        if other:
+            return (f"{deferral.variables[index].name} is used by {other[0]} in the step "
+                    "(only plain reads may wait for its update)")
+    read_ops = {op for ops in reads.values() for op in ops}
+    touching = set()
+    for variable in state:
+        handle = _handle_in(graph, variable)
+        if handle is not None:
+            touching.update(op for op in handle.consumers() if op not in read_ops)
+    if touching & _downstream(read_ops):
+        return ("the step uses the optimizer's state after it reads a deferred variable "
+                "(the update would wait for itself)")
+    return ""
+
+
+def _downstream(ops) -> set:
+    """Every op that depends on one of ``ops`` through data or control edges."""
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        for successor in [c for output in op.outputs for c in output.consumers()] + list(
+                op._control_outputs):  # noqa: SLF001 - the graph's own edges
+            if successor not in seen:
+                seen.add(successor)
+                stack.append(successor)
+    return seen
+
+
+def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
+    """``apply_gradients`` of a tape step that defers: the pending chunks reduced and
+    applied first (the step's reads of each deferred variable wait for its chunk), the
+    deferred gradients stored, the others applied. Where it cannot defer, every pair is
+    applied as given (Horovod's reductions), with one line saying why."""
+    build_slots(optimizer, deferral.variables)
+    reads: dict = {}
+    refused = _refused(optimizer, deferral, pairs, reads)
+    if refused:
+        for index in deferral.deferred:
+            _by_gradient.pop(deferral.reduced[index].ref(), None)
+        deferral.decision["reason"] = refused
+        record(deferral.decision)
+        _say(deferral.level, f"nothing deferred: {refused}; the step reduces its gradients "
+                             "as Horovod does")
+        return apply_kept(pairs)
+    graph = deferral.body
+    deferral.optimizer = optimizer
+    updates = apply_pending(optimizer, deferral, deferral.reduce)
+    unordered = _unordered_reads.setdefault(graph, set())
+    for chunk, update in zip(deferral.chunks, updates):
+        for index in chunk:
+            for read in reads[index]:
+                read._add_control_input(update.op)  # noqa: SLF001 - see _unordered
+                unordered.add(read.name)
+    for index in sorted(deferral.deferred):
+        deferral.buffers[index].assign(deferral.gradients[index])
+    deferral.pending.assign(True)
+    deferred = deferral.deferred
+    result = apply_kept([pair for pair in pairs
+                         if not any(pair[1] is deferral.variables[i] for i in deferred)])
+    deferral.traced = len(graph.get_operations())
+    deferral.loop.deferrals.append(deferral)
+    mb = sum(deferral.buffers[i].shape.num_elements() * deferral.buffers[i].dtype.size
+             for i in deferred) / 1e6
+    deferral.decision.update(deferred=len(deferred), deferred_mb=round(mb, 3),
+                             chunks=len(deferral.chunks))
+    record(deferral.decision)
+    logger.info("tfoverlap: cross_step: DistributedGradientTape: %d of %d gradients "
+                "(%.3g MB) reduced under the next step's forward pass, in %d chunks "
+                "(predicted %s ms a step, in-step %s ms)", len(deferred),
+                len(deferral.variables), mb, len(deferral.chunks),
+                deferral.decision.get("predicted_step_ms"), deferral.decision.get("in_step_ms"))
+    return result
+
+
+def _drain(loop: _Loop, outputs) -> None:
+    """After ``loop``: what its last iteration left pending, reduced and applied; an error
+    where the body read a deferred variable after its step's update."""
+    import tensorflow as tf
+    for deferral in loop.deferrals:
+        handles = {}
+        for index in deferral.deferred:
+            handle = _handle_in(deferral.body, deferral.variables[index])
+            if handle is not None:
+                handles[handle.ref()] = deferral.variables[index]
+        for op in deferral.body.get_operations()[deferral.traced:]:
+            late = [handles[t.ref()] for t in op.inputs if t.ref() in handles]
+            if late:
+                raise ValueError(
+                    f"tfoverlap: cross_step: the loop's step uses {late[0].name} ({op.type}) "
+                    "after its apply_gradients, where that variable's update is still "
+                    "pending; use it before apply_gradients or after the loop, or turn "
+                    "cross-step overlap off (tfoverlap.horovod.configure(cross_step=False))")
+    after = [t for t in tf.nest.flatten(outputs, expand_composites=True)
+             if isinstance(t, tf.Tensor)]
+    with tf.control_dependencies(after):
+        for deferral in loop.deferrals:
+            apply_pending(deferral.optimizer, deferral, deferral.reduce)
+
+
+def _unordered(op, reads, writes) -> bool:
+    """TensorFlow's automatic control dependencies: the reads of a deferred variable that
+    were traced before its update touch no resource (they wait for the update by a
+    control edge; ordered as traced, they would also come before it: a cycle)."""
+    names = _unordered_reads.get(op.graph)
+    if not names or op.name not in names or not (reads or writes):
+        return False
+    reads.clear()
+    writes.clear()
+    return True
