@@ -13,9 +13,12 @@ results, with the backward order fixed and the gradients reduced in planned buck
   this thread (:func:`tfoverlap.enable_for_tf_function`), where Grappler has folded the cond.
   Eagerly executed steps have no graph to schedule and run as plain Horovod.
 
-Graph mode also offers cross-step overlap (:mod:`tfoverlap.horovod.deferred`, on where
-the plan predicts a gain) and decoupled reduction (:mod:`tfoverlap.horovod.decoupled`,
-``configure(decouple=...)``, off by default).
+Cross-step overlap (on where the plan predicts a gain) runs in graph mode
+(:mod:`tfoverlap.horovod.deferred`), in Keras ``model.fit`` with several steps per call
+(:mod:`tfoverlap.horovod.keras_deferred`) and for tape steps in a loop inside one
+``tf.function`` (:mod:`tfoverlap.horovod.tape_deferred`). Graph mode also offers
+decoupled reduction (:mod:`tfoverlap.horovod.decoupled`, ``configure(decouple=...)``, off
+by default).
 
 The network model (alpha, beta) is what :func:`configure` was given, else it is measured
 once with a few AllReduces of two sizes. Op times come from a profile (``profile=``), from
