@@ -138,3 +138,35 @@ def test_a_tf_function_step_names_the_options_it_does_not_carry_out(caplog, carr
     else:
         assert len(warnings) == 1 and warnings[0].startswith(f"tfoverlap: {named} asked for")
 
+
+
+TAPE_IMPORTED_FIRST = """
+import tfoverlap.horovod as tfo_hvd      # before TensorFlow, as a program may
+import tensorflow as tf
+import horovod.tensorflow as hvd
+hvd.init()
+weight = tf.Variable(tf.ones([4, 4]))
+optimizer = tf.keras.optimizers.SGD(0.1)
+
+@tf.function
+def step(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.matmul(x, weight))
+    tape = tfo_hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, [weight]), [weight]))
+    return loss
+
+print("losses", float(step(tf.ones([2, 4]))), float(step(tf.ones([2, 4]))))
+"""
+
+
+def test_a_tape_made_inside_a_tf_function_step_runs_when_tfoverlap_came_before_tensorflow():
+    """tfoverlap.horovod imported before TensorFlow loads the Grappler plugin on the first
+    wrapper call, which a TF2 step makes inside its tf.function. AutoGraph converted that
+    code once, and the plugin's callback did not outlive it: Grappler's first call crashed
+    the process. The wrappers run as written, and the step trains (one rank)."""
+    import subprocess
+    result = subprocess.run([sys.executable, "-c", TAPE_IMPORTED_FIRST], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "losses 32.0 25.6" in result.stdout, result.stdout

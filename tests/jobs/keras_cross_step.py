@@ -22,6 +22,7 @@ import horovod.tensorflow.keras as hvd_keras  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 import tfoverlap.horovod.keras as tfo_keras  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
+from keras_optimizers import optimizer_for  # noqa: E402 - this directory
 
 PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
             "schedule", "validation", "checkpoint", "embedding", "embedding_dense",
@@ -39,25 +40,6 @@ INPUTS = data.normal(size=(STEPS * BATCH, 64)).astype(np.float32)
 LABELS = data.integers(0, 10, size=(STEPS * BATCH,))
 VALIDATION = (np.random.default_rng(999).normal(size=(BATCH, 64)).astype(np.float32),
               np.random.default_rng(998).integers(0, 10, size=(BATCH,)))
-
-
-def optimizer_for(pattern):
-    keras = tf.keras.optimizers
-    if pattern == "sgd":
-        return keras.SGD(0.05)
-    if pattern == "adam":
-        return keras.Adam(0.01)
-    if pattern == "adamw":
-        return keras.AdamW(0.01, weight_decay=0.05)
-    if pattern == "legacy_momentum":
-        return keras.legacy.SGD(0.05, momentum=0.9)
-    if pattern == "legacy_adam":
-        return keras.legacy.Adam(0.01)
-    if pattern == "schedule":
-        return keras.SGD(keras.schedules.ExponentialDecay(0.1, 1, 0.7), momentum=0.9)
-    if pattern == "clipnorm":
-        return keras.SGD(0.05, momentum=0.9, global_clipnorm=1.0)
-    return keras.SGD(0.05, momentum=0.9)
 
 
 def model_for(pattern):

@@ -52,13 +52,19 @@ def train_graph():
     return losses, final, hvd.DistributedOptimizer.__module__
 
 
-def train_keras():
+def keras_model():
+    """The chain of dense layers, with the initial weights of every mode."""
     tf.keras.utils.set_random_seed(7)
     model = tf.keras.Sequential([tf.keras.Input((64,))] + [
         tf.keras.layers.Dense(w.shape[1], use_bias=False,
                               activation="relu" if i < len(initial) - 1 else None)
         for i, w in enumerate(initial)])
     model.set_weights(initial)
+    return model
+
+
+def train_keras():
+    model = keras_model()
     model.compile(optimizer=hvd_keras.DistributedOptimizer(
         tf.keras.optimizers.SGD(0.05, momentum=0.9)),
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -69,12 +75,7 @@ def train_keras():
 
 
 def train_tape():
-    tf.keras.utils.set_random_seed(7)
-    model = tf.keras.Sequential([tf.keras.Input((64,))] + [
-        tf.keras.layers.Dense(w.shape[1], use_bias=False,
-                              activation="relu" if i < len(initial) - 1 else None)
-        for i, w in enumerate(initial)])
-    model.set_weights(initial)
+    model = keras_model()
     optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
     loss_function = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     batches = tf.constant(inputs.reshape(STEPS, BATCH, 64))

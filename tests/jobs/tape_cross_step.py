@@ -21,6 +21,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 from tfoverlap.horovod.pipeline import recent_decisions  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
+from keras_optimizers import optimizer_for  # noqa: E402 - this directory
 
 PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_adam", "schedule", "iterator",
             "between_calls", "checkpoint", "one_step_per_call", "clip_global_norm",
@@ -38,21 +39,6 @@ INPUTS = tf.constant(data.normal(size=(STEPS * CALLS, BATCH, 64)).astype(np.floa
 LABELS = tf.constant(data.integers(0, 10, size=(STEPS * CALLS, BATCH)))
 VALIDATION = np.random.default_rng(999).normal(size=(BATCH, 64)).astype(np.float32)
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def optimizer_for(pattern):
-    keras = tf.keras.optimizers
-    if pattern == "sgd":
-        return keras.SGD(0.05)
-    if pattern == "adam":
-        return keras.Adam(0.01)
-    if pattern == "adamw":
-        return keras.AdamW(0.01, weight_decay=0.05)
-    if pattern == "legacy_adam":
-        return keras.legacy.Adam(0.01)
-    if pattern == "schedule":
-        return keras.SGD(keras.schedules.ExponentialDecay(0.1, 1, 0.7), momentum=0.9)
-    return keras.SGD(0.05, momentum=0.9)
 
 
 def model_for():

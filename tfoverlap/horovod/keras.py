@@ -22,11 +22,12 @@ from __future__ import annotations
 from tfoverlap.horovod import keras_deferred
 from tfoverlap.horovod.settings import wrapper_option
 from tfoverlap.horovod.wrappers import (enable_for_functions, horovods,
-                                        keeps_horovods_reduction)
+                                        keeps_horovods_reduction, not_converted)
 
 __all__ = ["DistributedOptimizer", "cross_step_decision"]
 
 
+@not_converted
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
                          compression=None, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=None, backward_passes_per_step=1,

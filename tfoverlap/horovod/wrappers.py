@@ -12,7 +12,8 @@ from tfoverlap.horovod.scheduling import (decouple_and_schedule, defer_and_sched
 from tfoverlap.horovod.settings import caramel_options, wrapper_option, wrapper_options
 from tfoverlap.log import logger
 
-__all__ = ["DistributedOptimizer", "DistributedGradientTape", "keeps_horovods_reduction",
+__all__ = ["DistributedOptimizer", "DistributedGradientTape", "not_converted",
+           "keeps_horovods_reduction",
            "enable_for_functions", "flush_op", "horovods", "substitute_in_horovod"]
 
 #: Horovod's own wrappers, where :func:`substitute_in_horovod` put tfoverlap's in their place
@@ -34,6 +35,16 @@ def substitute_in_horovod(module, wrappers: dict) -> None:
         setattr(module, name, wrapper)
 
 
+def not_converted(function):
+    """Marks ``function`` as ``tf.autograph.experimental.do_not_convert`` does, without
+    importing TensorFlow: a ``tf.function`` step that calls it (the tape's wrapper is made
+    inside the step) runs it as written. AutoGraph would convert tfoverlap's code under it,
+    and the Grappler plugin's ctypes callback, made there by a first ``load()``, did not
+    outlive the call (a segmentation fault when Grappler called it)."""
+    function.autograph_info__ = {}
+    return function
+
+
 def keeps_horovods_reduction(groups, num_groups: int, backward_passes_per_step: int,
                              op) -> bool:
     """Whether an optimizer wrapper must leave the reduction to Horovod (explicit groups,
@@ -49,6 +60,7 @@ def keeps_horovods_reduction(groups, num_groups: int, backward_passes_per_step: 
     return bool(unsupported)
 
 
+@not_converted
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
                          device_sparse="", compression=None, sparse_as_dense=False,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
@@ -172,6 +184,7 @@ def enable_for_functions(carried_out: tuple = ()) -> None:
     enable_for_tf_function(**caramel_options())
 
 
+@not_converted
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
                             sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
                             num_groups=0, groups=None, process_set=None,
