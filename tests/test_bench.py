@@ -239,6 +239,36 @@ def test_keras_benchmark_worker_end_to_end():
     assert rows["caramel"]["round_low"] <= rows["caramel"]["round_high"]
 
 
+def test_tape_loop_benchmark_worker_end_to_end():
+    """--loop tape: each variant is a tf.function of DistributedGradientTape steps in a
+    tf.range loop (Horovod's tape, tfoverlap.horovod's), timed call by call, per step;
+    rank 0 reports what cross-step overlap decided for the tape; the rows are tape rows."""
+    import json
+    import sys
+    from tfoverlap.bench.allreduce import summarize
+    from tfoverlap.testbed.horovod_launch import run_horovod
+    from tfoverlap.testbed.network import EmulatedNetwork
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [
+            sys.executable, "-m", "tfoverlap.bench.keras_worker", "--model", "mobilenet_v2",
+            "--batch", "2", "--image-size", "32", "--loop", "tape",
+            "--variants", "horovod,caramel", "--rounds", "2", "--calls", "1",
+            "--steps-per-execution", "2", "--warmup", "1"], controller="gloo", timeout=500)
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    record = json.loads(next(line for line in result.outputs[0].splitlines()
+                             if line.startswith("{")))
+    assert record["api"] == "tape" and record["steps_per_execution"] == 2
+    assert all(len(times) == 2 and min(times) > 0 for times in record["times"].values())
+    decision = record["caramel"]["caramel"]["cross_step"]
+    assert decision["api"] == "tape" and decision["mode"] == "auto", decision
+    assert decision["deferred"] or decision["reason"], decision
+    rows = {row["variant"]: row for row in summarize({
+        **record, "bandwidth": None, "emulate": "", "dilation": 1.0, "steps_per_block": 1})}
+    assert set(rows) == {"horovod", "caramel"}
+    assert all(row["api"] == "tape" and row["steps_per_execution"] == 2
+               for row in rows.values())
+
+
 def test_keras_transformer_is_the_graph_mode_transformer():
     """Keras rows and graph-mode rows of the transformer time the same network: the same
     variables and shapes (Keras lists a layer's norms after its feed-forward layers)."""

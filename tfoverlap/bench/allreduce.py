@@ -112,9 +112,10 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
             common += ["--emulate", emulate, "--dilation", str(dilation)]
         description = network.describe()
         progress(f"{model} at {link_name(bandwidth)}: {description}; side-by-side job")
-        if api == "keras":
+        if api in ("keras", "tape"):
             worker = "tfoverlap.bench.keras_worker"
-            keras_calls = ["--steps-per-execution", str(steps_per_execution)]
+            keras_calls = ["--steps-per-execution", str(steps_per_execution)] + (
+                ["--loop", "tape"] if api == "tape" else [])
             main_job = _worker_job(network, common + keras_calls + [
                 "--rounds", str(rounds), "--calls", str(steps), "--variants", variants],
                 dilated_horovod_env(dilation), timeout, os.path.join(workdir, "main-job.log"),
@@ -324,8 +325,8 @@ def summarize(result: dict) -> list[dict]:
             "declined": bool(caramel.get("declined")),
             "predicted_gain": caramel.get("predicted_gain", ""),
         })
-        if result.get("api") == "keras":
-            rows[-1].update(api="keras", steps_per_execution=result["steps_per_execution"])
+        if result.get("api") in ("keras", "tape"):
+            rows[-1].update(api=result["api"], steps_per_execution=result["steps_per_execution"])
         rounds = _round_ratios(times["horovod"], times[name], result.get("steps_per_block"))
         if rounds:
             rows[-1].update(round_low=min(rounds), round_high=max(rounds))
@@ -410,10 +411,13 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=MAIN_JOB_VARIANTS,
                         help="the side-by-side job's variants (see allreduce_worker); "
                              "compute_only and comm_only give comm/comp (else unknown)")
-    parser.add_argument("--api", choices=("graph", "keras"), default="graph",
+    parser.add_argument("--api", choices=("graph", "keras", "tape"), default="graph",
                         help="graph: TF1 sessions (allreduce_worker); keras: model.fit "
                              "(keras_worker: horovod, horovod_again, ddp25, caramel, "
-                             "caramel_cross_step, compute_only)")
+                             "caramel_cross_step, compute_only); tape: a TF2 custom loop, "
+                             "DistributedGradientTape steps in a tf.range loop inside one "
+                             "tf.function (keras_worker --loop tape: horovod, "
+                             "horovod_again, autotune, caramel)")
     parser.add_argument("--steps-per-execution", type=int, default=4,
                         help="--api keras: compile(steps_per_execution=); --steps is "
                              "then the timed calls of the train function per block")
@@ -438,6 +442,11 @@ def main(argv=None) -> int:
             from tfoverlap.bench.keras_worker import VARIANTS as VARIANT_NAMES
             if args.variants == MAIN_JOB_VARIANTS:
                 args.variants = "horovod,horovod_again,ddp25,caramel"
+        if args.api == "tape":
+            from tfoverlap.bench.keras_worker import TAPE_VARIANTS as VARIANT_NAMES
+            if args.variants == MAIN_JOB_VARIANTS:
+                args.variants = "horovod,horovod_again,caramel"
+        if args.api in ("keras", "tape"):
             if args.steps_per_execution < 1:
                 raise ValueError("--steps-per-execution must be >= 1")
         chosen = args.variants.split(",")

@@ -1,4 +1,6 @@
-"""One rank of the Horovod benchmark's Keras job: ``model.fit`` of every variant, in turns.
+"""One rank of the Horovod benchmark's Keras job: ``model.fit`` of every variant, in turns
+(or, with ``--loop tape``, a TF2 custom loop: ``DistributedGradientTape`` steps in a loop
+inside one ``tf.function``).
 
 Run by :mod:`tfoverlap.bench.allreduce` (``--api keras``) as a Horovod job, one rank per
 emulated host. Every variant is the same model (a ``tf.keras.applications`` model, or the
@@ -21,7 +23,10 @@ embedding gradient is reduced dense in every variant, as in graph mode.
 A block of a variant is one ``fit`` of ``--calls + 1`` calls of the train function; the
 time of each call but the first (from one ``on_train_batch_end`` to the next, so with the
 drain of what its last step left pending) divided by ``steps_per_execution`` is one
-step's time. Blocks rotate every round. Rank 0 prints one JSON line shaped like
+step's time. With ``--loop tape`` the variants are horovod, horovod_again (Horovod's
+tape) and caramel (tfoverlap.horovod's, default options), each a ``tf.function`` of
+``steps_per_execution`` steps in a ``tf.range`` loop; a block is ``--calls`` timed calls of
+it, each call's time divided by its steps one step's time. Blocks rotate every round. Rank 0 prints one JSON line shaped like
 :mod:`tfoverlap.bench.allreduce_worker`'s.
 """
 from __future__ import annotations
@@ -31,10 +36,11 @@ import json
 import sys
 import time
 
-__all__ = ["VARIANTS", "main"]
+__all__ = ["VARIANTS", "TAPE_VARIANTS", "main"]
 
 VARIANTS = ("horovod", "horovod_again", "autotune", "ddp25", "caramel", "caramel_cross_step",
             "compute_only")
+TAPE_VARIANTS = ("horovod", "horovod_again", "autotune", "caramel")
 
 
 def _model(args):
@@ -96,6 +102,52 @@ def _build(variant: str, args, emulation: dict):
     return model, config
 
 
+def _build_tape_loop(variant: str, args, emulation: dict):
+    """``--loop tape``: ``variant``'s train function (``steps_per_execution`` steps of a
+    ``DistributedGradientTape`` step in a ``tf.range`` loop) after its first (untimed)
+    calls, and its function config."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import tfoverlap
+    import tfoverlap.horovod as tfo_hvd
+    from tfoverlap.integrations.tf_function import get_function_config, set_function_config
+    previous = get_function_config()
+    try:
+        model = _model(args)
+        optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+        loss_function = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if variant == "caramel":
+            tfo_hvd.configure(**emulation)
+            wrapper = tfo_hvd.DistributedGradientTape
+        else:
+            if emulation:
+                tfoverlap.enable_for_tf_function(schedule="none", **emulation)
+            wrapper = hvd.DistributedGradientTape
+        inputs, labels = next(iter(_dataset(args)))
+        sparse_as_dense = args.model == "transformer"
+
+        @tf.function
+        def train(steps):
+            loss = tf.constant(0.0)
+            for _ in tf.range(steps):
+                with tf.GradientTape() as tape:
+                    loss = loss_function(labels, model(inputs, training=True))
+                tape = wrapper(tape, sparse_as_dense=sparse_as_dense)
+                gradients = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+            return loss
+
+        steps = tf.constant(args.steps_per_execution)
+        for _ in range(args.warmup):
+            train(steps).numpy()
+        config = get_function_config()
+    finally:
+        set_function_config(previous)
+        tfo_hvd.configure()
+    return (train, steps), config
+
+
 def _dataset(args):
     import tensorflow as tf
 
@@ -115,12 +167,27 @@ def _dataset(args):
 
 
 def _block(model, config, args) -> tuple[list[float], list[float]]:
-    """One fit of ``--calls + 1`` calls under the variant's function ``config``: per-step
-    wall and CPU seconds of the last ones."""
+    """One fit of ``--calls + 1`` calls under the variant's function ``config`` (with
+    ``--loop tape``: ``--calls`` calls of its loop): per-step wall and CPU seconds of the
+    last ones."""
     import tensorflow as tf
 
     from tfoverlap.integrations.tf_function import get_function_config, set_function_config
     marks = []
+    if args.loop == "tape":
+        train, steps = model
+        previous = get_function_config()
+        set_function_config(config)
+        try:
+            marks.append((time.perf_counter(), time.process_time()))
+            for _ in range(args.calls):
+                train(steps).numpy()
+                marks.append((time.perf_counter(), time.process_time()))
+        finally:
+            set_function_config(previous)
+        per_step = float(args.steps_per_execution)
+        return ([(b[0] - a[0]) / per_step for a, b in zip(marks, marks[1:])],
+                [(b[1] - a[1]) / per_step for a, b in zip(marks, marks[1:])])
 
     class Mark(tf.keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -153,9 +220,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emulate", default="", help="a device model or file")
     parser.add_argument("--dilation", type=float, default=1.0)
+    parser.add_argument("--loop", choices=("fit", "tape"), default="fit",
+                        help="fit: model.fit; tape: DistributedGradientTape steps in a "
+                             "tf.range loop inside one tf.function")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in (TAPE_VARIANTS if args.loop == "tape"
+                                                else VARIANTS)]
     if unknown:
         print(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}",
               file=sys.stderr)
@@ -169,13 +240,17 @@ def main(argv=None) -> int:
     emulation = {"emulate": args.emulate, "dilation": args.dilation} if args.emulate else {}
     began = time.perf_counter()
     built, caramel = {}, {}
+    from tfoverlap.horovod.pipeline import recent_decisions
     for variant in variants:
         reports_before = len(tfoverlap.recent_reports())
-        built[variant] = _build(variant, args, emulation)
+        decisions_before = len(recent_decisions())
+        build = _build_tape_loop if args.loop == "tape" else _build
+        built[variant] = build(variant, args, emulation)
         if variant.startswith("caramel"):
             summary = next((p.summary for r in tfoverlap.recent_reports()[reports_before:]
                             for p in r.passes if p.name == "caramel"), None) or {}
-            decision = tfo_keras.cross_step_decision(built[variant][0]) or {}
+            decision = (tfo_keras.cross_step_decision(built[variant][0]) if args.loop == "fit"
+                        else (recent_decisions()[decisions_before:] or [None])[-1]) or {}
             summary = {key: value for key, value in summary.items()
                        if key != "allreduces_left_out_names"}
             caramel[variant] = {**summary, "cross_step": {
@@ -191,11 +266,12 @@ def main(argv=None) -> int:
             times[variant].extend(wall)
             cpu[variant].extend(used)
     host_busy = busy_fraction(before, cpu_sample())
-    model = next(iter(built.values()))[0]
+    model = _model(args) if args.loop == "tape" else next(iter(built.values()))[0]
     if hvd_keras.rank() == 0:
         print(json.dumps({
             "model": args.model, "batch": args.batch, "ranks": hvd_keras.size(),
-            "api": "keras", "steps_per_execution": args.steps_per_execution,
+            "api": "tape" if args.loop == "tape" else "keras",
+            "steps_per_execution": args.steps_per_execution,
             "parameter_bytes": sum(v.shape.num_elements() * v.dtype.size
                                    for v in model.trainable_variables),
             "tensors": len(model.trainable_variables), "times": times, "cpu": cpu,
