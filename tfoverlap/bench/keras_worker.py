@@ -124,13 +124,16 @@ def _build_tape_loop(variant: str, args, emulation: dict):
             if emulation:
                 tfoverlap.enable_for_tf_function(schedule="none", **emulation)
             wrapper = hvd.DistributedGradientTape
-        inputs, labels = next(iter(_dataset(args)))
+        # Batches from an iterator inside the loop, as programs take them (a batch carried
+        # into the loop has no static shape in its lowered frame: nothing is emulated).
+        batches = iter(_dataset(args))
         sparse_as_dense = args.model == "transformer"
 
         @tf.function
         def train(steps):
             loss = tf.constant(0.0)
             for _ in tf.range(steps):
+                inputs, labels = next(batches)
                 with tf.GradientTape() as tape:
                     loss = loss_function(labels, model(inputs, training=True))
                 tape = wrapper(tape, sparse_as_dense=sparse_as_dense)
