@@ -25,8 +25,8 @@ time of each call but the first (from one ``on_train_batch_end`` to the next, so
 drain of what its last step left pending) divided by ``steps_per_execution`` is one
 step's time. With ``--loop tape`` the variants are horovod, horovod_again (Horovod's
 tape) and caramel (tfoverlap.horovod's, default options), each a ``tf.function`` of
-``steps_per_execution`` steps in a ``tf.range`` loop; a block is ``--calls`` timed calls of
-it, each call's time divided by its steps one step's time. Blocks rotate every round. Rank 0 prints one JSON line shaped like
+``steps_per_execution`` steps in a ``tf.range`` loop; a block is ``--calls + 1`` calls of
+it, each call's time but the first's divided by its steps one step's time. Blocks rotate every round. Rank 0 prints one JSON line shaped like
 :mod:`tfoverlap.bench.allreduce_worker`'s.
 """
 from __future__ import annotations
@@ -171,8 +171,8 @@ def _dataset(args):
 
 def _block(model, config, args) -> tuple[list[float], list[float]]:
     """One fit of ``--calls + 1`` calls under the variant's function ``config`` (with
-    ``--loop tape``: ``--calls`` calls of its loop): per-step wall and CPU seconds of the
-    last ones."""
+    ``--loop tape``: as many calls of its loop): per-step wall and CPU seconds of the last
+    ones."""
     import tensorflow as tf
 
     from tfoverlap.integrations.tf_function import get_function_config, set_function_config
@@ -182,8 +182,7 @@ def _block(model, config, args) -> tuple[list[float], list[float]]:
         previous = get_function_config()
         set_function_config(config)
         try:
-            marks.append((time.perf_counter(), time.process_time()))
-            for _ in range(args.calls):
+            for _ in range(args.calls + 1):     # the first, as fit's, is not timed
                 train(steps).numpy()
                 marks.append((time.perf_counter(), time.process_time()))
         finally:
