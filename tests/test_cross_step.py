@@ -333,6 +333,9 @@ def test_a_tape_loop_defers_and_every_value_checkpoint_and_weight_is_horovods(ta
         decisions = deferred["decisions"]
         assert decisions and all(d["deferred"] >= 1 and d["api"] == "tape"
                                  for d in decisions), decisions
+        # One decision per model and optimizer, however often TensorFlow traces the step
+        # (tfoverlap run's summary counts them).
+        assert len(decisions) == (2 if pattern == "checkpoint" else 1), decisions
         for key in ("losses", "seen", "checkpoint", "rank0_evaluate", "weights",
                     "optimizer"):
             assert deferred.get(key) == plain.get(key), (rank, key)

@@ -177,19 +177,6 @@ def _block(model, config, args) -> tuple[list[float], list[float]]:
 
     from tfoverlap.integrations.tf_function import get_function_config, set_function_config
     marks = []
-    if args.loop == "tape":
-        train, steps = model
-        previous = get_function_config()
-        set_function_config(config)
-        try:
-            for _ in range(args.calls + 1):     # the first, as fit's, is not timed
-                train(steps).numpy()
-                marks.append((time.perf_counter(), time.process_time()))
-        finally:
-            set_function_config(previous)
-        per_step = float(args.steps_per_execution)
-        return ([(b[0] - a[0]) / per_step for a, b in zip(marks, marks[1:])],
-                [(b[1] - a[1]) / per_step for a, b in zip(marks, marks[1:])])
 
     class Mark(tf.keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -198,8 +185,15 @@ def _block(model, config, args) -> tuple[list[float], list[float]]:
     previous = get_function_config()
     set_function_config(config)
     try:
-        model.fit(_dataset(args), steps_per_epoch=args.steps_per_execution * (args.calls + 1),
-                  epochs=1, verbose=0, callbacks=[Mark()])
+        if args.loop == "tape":
+            train, steps = model
+            for _ in range(args.calls + 1):
+                train(steps).numpy()
+                marks.append((time.perf_counter(), time.process_time()))
+        else:
+            model.fit(_dataset(args),
+                      steps_per_epoch=args.steps_per_execution * (args.calls + 1),
+                      epochs=1, verbose=0, callbacks=[Mark()])
     finally:
         set_function_config(previous)
     per_step = float(args.steps_per_execution)

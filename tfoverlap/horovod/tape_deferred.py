@@ -35,7 +35,7 @@ import weakref
 
 from tfoverlap.horovod.pipeline import (Deferral, apply_pending, build_slots, make_buffers,
                                         optimizer_refused, record, reduce_without_cond)
-from tfoverlap.log import logger
+from tfoverlap.log import info_once, logger, warn_once
 
 __all__ = ["attach", "install"]
 
@@ -46,6 +46,7 @@ _loops: list = []                            # the while loops being traced, inn
 _by_gradient: dict = {}                      # reduced gradient (ref) -> its _TapeDeferral
 _unordered_reads = weakref.WeakKeyDictionary()   # graph -> names of reads ACD leaves alone
 _plans: dict = {}                            # the variables' refs -> (chunks, decision)
+_recorded: dict = {}                         # the variables' refs -> the last decision kept
 _installed = False
 
 
@@ -69,6 +70,7 @@ class _TapeDeferral(Deferral):
     reduction: dict = dataclasses.field(default_factory=dict)   # Horovod's arguments
     optimizer: object = None
     traced: int = 0                 # the body's ops up to the last of the deferral's own
+    key: tuple = ()                 # its variables' refs, as _plans keys them
 
     def reduce(self, tensors):
         """``tensors`` reduced as Horovod would, marked as deferred reductions."""
@@ -141,7 +143,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     deferral = _TapeDeferral(decision={"mode": "auto" if mode == "auto" else "on",
                                        "deferred": 0, "api": "tape"},
                              variables=list(variables), body=graph, loop=loop, level=level,
-                             reduced=list(reduced), reduction=dict(reduction))
+                             reduced=list(reduced), reduction=dict(reduction), key=key)
     dense = reduction.get("sparse_as_dense")
     for gradient in grads:
         if isinstance(gradient, tf.IndexedSlices) and dense:
@@ -161,7 +163,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     if chunks and deferred >= len(own):
         chunks, deferral.decision["reason"] = [], "every gradient would be deferred"
     if not chunks:
-        record(deferral.decision)
+        _record(deferral)
         _say(level, f"nothing deferred: {deferral.decision.get('reason')}")
         return reduced
     deferral.chunks = chunks
@@ -172,8 +174,15 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     return reduced
 
 
+def _record(deferral: _TapeDeferral) -> None:
+    """Keeps ``deferral``'s decision for tfoverlap run's summary, once for a step that
+    TensorFlow traces again and that decides alike."""
+    if _recorded.get(deferral.key) != deferral.decision:
+        _recorded[deferral.key] = dict(deferral.decision)
+        record(deferral.decision)
+
+
 def _say(level: int, message: str) -> None:
-    from tfoverlap.log import info_once, warn_once
     (warn_once if level >= logging.WARNING else info_once)(f"tfoverlap: cross_step: {message}")
 
 
@@ -218,7 +227,7 @@ def _forget(loop: _Loop) -> None:
             deferral.decision["reason"] = (
                 "no apply_gradients of the step got the tape's reduced gradients as they "
                 "were (changed first: clipped by global norm, scaled, ...)")
-            record(deferral.decision)
+            _record(deferral)
             _say(deferral.level, f"nothing deferred: {deferral.decision['reason']}")
 
 
@@ -345,7 +354,7 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
         for index in deferral.deferred:
             _by_gradient.pop(deferral.reduced[index].ref(), None)
         deferral.decision["reason"] = refused
-        record(deferral.decision)
+        _record(deferral)
         _say(deferral.level, f"nothing deferred: {refused}; the step reduces its gradients "
                              "as Horovod does")
         return apply_kept(pairs)
@@ -370,7 +379,7 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
              for i in deferred) / 1e6
     deferral.decision.update(deferred=len(deferred), deferred_mb=round(mb, 3),
                              chunks=len(deferral.chunks))
-    record(deferral.decision)
+    _record(deferral)
     logger.info("tfoverlap: cross_step: DistributedGradientTape: %d of %d gradients "
                 "(%.3g MB) reduced under the next step's forward pass, in %d chunks "
                 "(predicted %s ms a step, in-step %s ms)", len(deferred),
