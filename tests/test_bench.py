@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import statistics
 
 import pytest
 
@@ -33,6 +34,10 @@ def test_small_benchmark_end_to_end(tmp_path):
         assert row["median_s"] > 0 and row["comm_s"] > 0 and row["comp_s"] > 0
         assert not math.isnan(row["efficiency"])
     tic = rows[1]
+    # Blocks of 2 steps: the second step of each worker's block, against the default's.
+    second = {name: statistics.median(times[1::2]) for name, times in result["times"].items()}
+    assert tic["later_speedup"] == pytest.approx(second["default"] / second["tic_serial"])
+    assert tic["later_s"] == pytest.approx(second["tic_serial"])
     # The enforced order holds on both workers in every traced step, in layer order.
     assert tic["distinct_orders"] == 1 and tic["top_order_share"] == 1.0
     for traced in result["traces"]["tic_serial"]:

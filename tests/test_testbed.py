@@ -43,6 +43,15 @@ def test_round_ratios_pair_each_round_of_the_variant_with_the_baselines():
         metrics.round_ratios([1.0, 1.0, 1.0], [1.0, 1.0], rounds=2)
 
 
+def test_steps_after_the_first_of_each_block_leave_the_lock_step_start_out():
+    # Two blocks of three steps: the first of each (lock step) is dropped.
+    assert metrics.after_first_steps([9.0, 1.0, 2.0, 8.0, 3.0, 4.0], 3) == [1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(ValueError, match="blocks of 2 or more"):
+        metrics.after_first_steps([1.0, 2.0], 1)
+    with pytest.raises(ValueError, match="3 steps in blocks of 2"):
+        metrics.after_first_steps([1.0, 2.0, 3.0], 2)
+
+
 def test_efficiency_bounds():
     assert metrics.efficiency(3.0, comm=1.0, comp=2.0) == 0.0   # no overlap at all
     assert metrics.efficiency(2.0, comm=1.0, comp=2.0) == 1.0   # full overlap

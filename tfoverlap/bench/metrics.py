@@ -22,8 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Spread", "spread", "speedup", "round_ratios", "efficiency", "straggler_effect",
-           "order_consistency"]
+__all__ = ["Spread", "spread", "speedup", "round_ratios", "after_first_steps", "efficiency",
+           "straggler_effect", "order_consistency"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,20 @@ def round_ratios(baseline: Sequence[float], variant: Sequence[float],
                          f"{base.size} and {other.size} steps")
     return [float(np.median(b) / np.median(o))
             for b, o in zip(base.reshape(rounds, -1), other.reshape(rounds, -1))]
+
+
+def after_first_steps(values: Sequence[float], steps_per_block: int) -> list[float]:
+    """The steps of ``values`` (blocks of ``steps_per_block`` steps, back to back) that
+    are not the first of their block.
+
+    Every block starts with the workers in lock step (the driver starts them together);
+    the later steps run as far apart as the workers drift, as a long job's steps do, so a
+    gain that holds only in a block's first step is not a long job's gain.
+    """
+    if steps_per_block < 2 or len(values) % steps_per_block:
+        raise ValueError(f"steps after the first need blocks of 2 or more steps, got "
+                         f"{len(values)} steps in blocks of {steps_per_block}")
+    return [value for index, value in enumerate(values) if index % steps_per_block]
 
 
 def efficiency(iteration: float, comm: float, comp: float) -> float:

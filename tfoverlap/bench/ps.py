@@ -338,6 +338,7 @@ def summarize(result: dict) -> list[dict]:
                       for w in range(result["config"]["num_workers"])]
         rows.append({
             **timing_row(result, name, len(result["blocks"][name])),
+            **_after_first_steps(result, name),
             "straggler": metrics.straggler_effect(result["blocks"][name]),
             "distinct_orders": max(d for d, _ in per_worker),
             "top_order_share": min(s for _, s in per_worker),
@@ -346,6 +347,22 @@ def summarize(result: dict) -> list[dict]:
                                  if cpu else float("nan")),
         })
     return rows
+
+
+def _after_first_steps(result: dict, name: str) -> dict:
+    """Variant ``name``'s steps after the first of each block, against the default's
+    (``later_s``, ``later_speedup``); {} where blocks hold one step."""
+    from tfoverlap.bench import metrics
+    values, baseline = result["times"][name], result["times"]["default"]
+    blocks = len(result["blocks"][name]) * result["config"]["num_workers"]
+    steps_per_block = len(values) // blocks
+    if steps_per_block < 2:
+        return {}
+    scale = 1.0 / result.get("dilation", 1.0)
+    later = metrics.after_first_steps(values, steps_per_block)
+    later_default = metrics.after_first_steps(baseline, steps_per_block)
+    return {"later_s": statistics.median(later) * scale,
+            "later_speedup": statistics.median(later_default) / statistics.median(later)}
 
 
 def memory_summary(memory: dict, parameter_bytes: int) -> str:

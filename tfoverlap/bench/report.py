@@ -36,7 +36,8 @@ RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "d
                 "predicted_s", "prediction_error", "round_low", "round_high",
                 "deferred_gradients", "deferred_mb", "decoupled_gradients",
                 "reduce_scatter_buckets", "gather_requests", "api", "steps_per_execution",
-                "drain_ms", "order_concordance", "command", "date")
+                "drain_ms", "order_concordance", "later_s", "later_speedup", "command",
+                "date")
 #: PS rows: per PS count; Keras rows (api "keras") and TF2 PS rows (api "ps_strategy")
 #: apart from graph-mode ones (no api), and per steps_per_execution
 _ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps", "api",
@@ -92,8 +93,10 @@ def markdown_table(rows: list[dict]) -> str:
     for row in rows:
         rounds = (f"; rounds {row['round_low']:.2f}-{row['round_high']:.2f}"
                   if "round_low" in row else "")
+        later = (f"; after each block's first step {row['later_speedup']:.2f}x"
+                 if "later_speedup" in row else "")
         speedup = (f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f}"
-                   f"{rounds})" if row["variant"] != "default" else "1.00x")
+                   f"{rounds}){later}" if row["variant"] != "default" else "1.00x")
         lines.append(
             f"| {row['model']} | {row['mode']} | {row['batch']} | {row['link']} "
             f"| {row['variant']} | {row['median_s']:.3f} ({row['p10_s']:.3f}-{row['p90_s']:.3f}) "
