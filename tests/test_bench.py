@@ -25,6 +25,7 @@ def test_small_benchmark_end_to_end(tmp_path):
                                   workdir=str(tmp_path / "work"), timeout=300)
     assert leftovers() == []
     assert result["network"].startswith("3 network namespaces")
+    assert (tmp_path / "work" / "ps0.log").exists()    # the PS task's stderr is kept
     assert result["passes"]["tic_serial"]["transfers"] == 8
     assert result["passes"]["tic_serial"]["ordering_edges"] == 7
     rows = ps.summarize(result)

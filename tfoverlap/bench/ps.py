@@ -188,7 +188,7 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         cluster = PsCluster(network, config.num_ps, config.num_workers, layout=config.layout)
         progress(f"{config.label}: {network.describe()}; starting {config.num_ps} PS and "
                   f"{config.num_workers} workers, {config.layout}")
-        cluster.start_servers(("ps",))
+        cluster.start_servers(("ps",), log_dir=workdir)
         ps_started = cluster.resident_memory()["ps"]
         channels = []
         for task in range(config.num_workers):

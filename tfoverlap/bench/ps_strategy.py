@@ -81,7 +81,7 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
         cluster.spec["chief"] = [f"{network.launcher_address}:{free_ports(1)[0]}"]
         progress(f"{config.label} (ParameterServerStrategy): {network.describe()}; starting "
                  f"{config.num_ps} PS and {config.num_workers} workers, {config.layout}")
-        cluster.start_servers(("ps", "worker"))
+        cluster.start_servers(("ps", "worker"), log_dir=workdir)
         started = cluster.resident_memory()["ps"]
         specs = {}
         for name in variants:

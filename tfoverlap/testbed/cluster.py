@@ -80,17 +80,24 @@ class PsCluster:
     def target(self, worker: int = 0) -> str:
         return "grpc://" + self.spec["worker"][worker]
 
-    def start_servers(self, jobs=("ps",)) -> None:
-        """Starts every task of ``jobs`` as a server process; returns when all serve."""
+    def start_servers(self, jobs=("ps",), log_dir: str | None = None) -> None:
+        """Starts every task of ``jobs`` as a server process; returns when all serve.
+        ``log_dir``: each server's stderr goes to ``<job><task>.log`` there (else nowhere),
+        so a server that went away says why."""
+        import contextlib
+        import os
         import subprocess
         started = []
         for job in jobs:
             for task in range(len(self.spec[job])):
-                process = self.network.spawn(
-                    self.host(job, task),
-                    [sys.executable, "-m", "tfoverlap.testbed.cluster", json.dumps(self.spec),
-                     job, str(task)],
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                log = (contextlib.nullcontext(subprocess.DEVNULL) if log_dir is None
+                       else open(os.path.join(log_dir, f"{job}{task}.log"), "w"))
+                with log as stderr:
+                    process = self.network.spawn(
+                        self.host(job, task),
+                        [sys.executable, "-m", "tfoverlap.testbed.cluster",
+                         json.dumps(self.spec), job, str(task)],
+                        stdout=subprocess.PIPE, stderr=stderr, text=True)
                 self.processes[job, task] = process
                 started.append((LineChannel(process, f"{job} task {task}"), job, task))
         for channel, job, task in started:
