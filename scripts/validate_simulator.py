@@ -133,10 +133,13 @@ def block_steps(times: list[float], blocks: list[list[float]] | None, dilation: 
     answers = sum(len(block) for block in blocks or [])
     if not answers or len(times) % answers:
         return ""
+    from tfoverlap.bench.metrics import after_first_steps
     steps = len(times) // answers
     first = statistics.median(times[::steps]) / dilation
-    later = [t for k, t in enumerate(times) if k % steps]
-    return f"{first:.3f} / {statistics.median(later) / dilation:.3f}" if later else f"{first:.3f}"
+    if steps < 2:
+        return f"{first:.3f}"
+    later = after_first_steps(times, steps)
+    return f"{first:.3f} / {statistics.median(later) / dilation:.3f}"
 
 
 if __name__ == "__main__":
