@@ -352,3 +352,6 @@ def test_validation_compares_a_declined_pass_with_the_default():
     assert script.simulated_as("tac", {"ordering_edges": 0}) == "default"
     assert script.simulated_as("default_again", {}) == "default"
     assert script.simulated_as("tic", {}) == "tic"
+    # Two workers' blocks of 2 steps: the first steps (9, 8) apart from the later (1, 3).
+    assert script.block_steps([9.0, 1.0, 8.0, 3.0], [[5.0, 5.5]], 1.0) == "8.500 / 2.000"
+    assert script.block_steps([1.0, 2.0], [[1.0, 2.0]], 1.0) == "1.500"
