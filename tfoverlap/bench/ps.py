@@ -338,7 +338,7 @@ def summarize(result: dict) -> list[dict]:
                       for w in range(result["config"]["num_workers"])]
         rows.append({
             **timing_row(result, name, len(result["blocks"][name])),
-            **_after_first_steps(result, name),
+            **_later_steps(result, name),
             "straggler": metrics.straggler_effect(result["blocks"][name]),
             "distinct_orders": max(d for d, _ in per_worker),
             "top_order_share": min(s for _, s in per_worker),
@@ -349,7 +349,7 @@ def summarize(result: dict) -> list[dict]:
     return rows
 
 
-def _after_first_steps(result: dict, name: str) -> dict:
+def _later_steps(result: dict, name: str) -> dict:
     """Variant ``name``'s steps after the first of each block, against the default's
     (``later_s``, ``later_speedup``); {} where blocks hold one step."""
     from tfoverlap.bench import metrics
