@@ -54,6 +54,8 @@ VARIANTS = {
     "tac": {"tfoverlap": {"schedule": "tac"}},  # the profile path is added per worker
     # Every transfer gated on the one before, always (what TIC did before credits).
     "tic_serial": {"tfoverlap": {"schedule": "tic", "credit": 0, "window": 1, "force": True}},
+    # Four release groups in flight per PS task's link instead of two.
+    "tic_window4": {"tfoverlap": {"schedule": "tic", "window": 4}},
     # Credits, but ordering even where the gain estimate would decline.
     "tic_forced": {"tfoverlap": {"schedule": "tic", "force": True}},
     # The emulation's check: every worker op replaced by an emulated kernel that takes the
@@ -169,8 +171,12 @@ def variant_spec(name: str, workdir: str, task: int, config: Configuration) -> d
 
 def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: int = 5,
                       steps: int = 3, traces: int = 3, workdir: str = "/tmp",
-                      timeout: float = 900.0) -> dict:
-    """Runs one configuration on a fresh emulated network; returns the raw measurements."""
+                      timeout: float = 900.0, trace_after: int = 0) -> dict:
+    """Runs one configuration on a fresh emulated network; returns the raw measurements.
+
+    Each traced step is the one after ``trace_after`` untraced steps of a block started on
+    every worker at once: 0 traces a lock-step first step, more a step of workers that have
+    drifted as far as a block's later steps do."""
     from tfoverlap.testbed.cluster import PsCluster
     from tfoverlap.testbed.network import EmulatedNetwork, LineChannel
     variants = tuple(variants)
@@ -232,7 +238,8 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
         comm = [t for a in workers.ask({"cmd": "comm", "steps": steps}) for t in a["times"]]
         comp = [t for a in workers.ask({"cmd": "comp", "steps": steps}) for t in a["times"]]
         measured = measure_rounds(workers, variants, rounds, steps, config.label, dilation)
-        traced = {name: [workers.ask({"cmd": "trace", "variant": name})
+        traced = {name: [workers.ask({"cmd": "trace", "variant": name,
+                                      "after": trace_after})
                          for _ in range(traces)] for name in variants}
         for channel in channels:
             channel.send(json.dumps({"cmd": "quit"}))
@@ -460,6 +467,9 @@ def main(argv=None, api=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
     parser.add_argument("--traces", type=int, default=3, help="traced steps per variant")
+    parser.add_argument("--trace-after", type=int, default=0,
+                        help="trace the step after this many untraced steps of a block "
+                             "(TF1 only; 0: the block's lock-step first step)")
     parser.add_argument("--results", help="also merge the rows into this JSON file "
                                            "(docs/results/*.json), replacing rows of the same "
                                            "model, mode, workers, link and variant")
@@ -479,6 +489,11 @@ def main(argv=None, api=None) -> int:
             args.ps = args.workers if args.layout == "colocated" else 1
         if min(args.ps, args.workers, args.rounds, args.steps, args.traces) < 1:
             raise ValueError("--ps, --workers, --rounds, --steps and --traces must be >= 1")
+        if args.trace_after < 0:
+            raise ValueError("--trace-after must be >= 0")
+        if api is not None and args.trace_after:
+            raise ValueError("--trace-after is for the TF1 benchmark; the TF2 job traces "
+                             "its steps with the profiler")
         hosts = hosts_needed(args.ps, args.workers, args.layout)
         if args.batch is not None and args.batch < 1:
             raise ValueError("--batch must be >= 1")
@@ -513,7 +528,8 @@ def main(argv=None, api=None) -> int:
             rows.extend(api.summarize(result))
         else:
             result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
-                                       traces=args.traces, workdir=workdir)
+                                       traces=args.traces, workdir=workdir,
+                                       trace_after=args.trace_after)
             results.append(result)
             rows.extend(summarize(result))
             plot_step_timelines(config, result,

@@ -12,7 +12,10 @@ line on stdin, one JSON answer per line on stdout (prefixed with :data:`ANSWER`)
 - ``profile {steps, path}``: profile default steps for TAC (``tfoverlap.profile``);
 - ``steps {variant, steps}``: timed steps, answers their wall times and this process's CPU
   time per step;
-- ``trace {variant}``: one fully traced step: the observed transfer order and a timeline;
+- ``trace {variant, after}``: one fully traced step, ``after`` untraced steps into a
+  block started on every worker at once (0: the block's lock-step first step): the observed
+  transfer order, a timeline, and when the step started (µs since the epoch, to line the
+  workers' steps up);
 - ``comm {steps}``: steps that only move the parameters (and, when training, gradients of
   the same size back), as the communication time of one iteration;
 - ``comp {steps}``: the same model with local parameters, as its computation time;
@@ -176,12 +179,16 @@ class Worker:
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
                                           output_partition_graphs=bool(self.config.get(
                                               "emulate")))
+        session = self.session(command["variant"])
+        for _ in range(command.get("after", 0)):
+            session.run(self.model.fetch)
+        started_us = time.time() * 1e6
         start = time.perf_counter()
-        self.session(command["variant"]).run(self.model.fetch, options=options,
-                                             run_metadata=metadata)
+        session.run(self.model.fetch, options=options, run_metadata=metadata)
         seconds = time.perf_counter() - start
         timeline = step_timeline(metadata, self.device)
-        return {"seconds": seconds, "order": observed_transfer_order(metadata), **timeline}
+        return {"seconds": seconds, "started_us": started_us,
+                "order": observed_transfer_order(metadata), **timeline}
 
     def comm(self, command):
         session = self.session("default")
