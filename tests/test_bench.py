@@ -3,6 +3,7 @@ import json
 import math
 import os
 import statistics
+import time
 
 import pytest
 
@@ -21,8 +22,11 @@ def test_small_benchmark_end_to_end(tmp_path):
     config = ps.Configuration("seq8", training=False, batch=256, bandwidth=125e6,
                               num_ps=1, num_workers=2, width=512)
     # tic_serial: every transfer waits for the one before, so the order shows exactly.
+    # Each traced step is the second of its block (trace_after=1).
+    before_us = time.time() * 1e6
     result = ps.run_configuration(config, ("default", "tic_serial"), rounds=1, steps=2, traces=2,
-                                  workdir=str(tmp_path / "work"), timeout=300)
+                                  workdir=str(tmp_path / "work"), timeout=300, trace_after=1)
+    after_us = time.time() * 1e6
     assert leftovers() == []
     assert result["network"].startswith("3 network namespaces")
     assert (tmp_path / "work" / "ps0.log").exists()    # the PS task's stderr is kept
@@ -44,6 +48,8 @@ def test_small_benchmark_end_to_end(tmp_path):
     for traced in result["traces"]["tic_serial"]:
         for answer in traced:
             assert answer["order"] == _chain_reads(8)
+            # When the traced step started, on the clock the workers share.
+            assert before_us < answer["started_us"] < after_us
     # The transfers moved 8 kernels of 512x512 floats into worker 0 in the traced step.
     transfers = result["traces"]["tic_serial"][0][0]["transfers"]
     assert sum(t[3] for t in transfers) == pytest.approx(8 * 512 * 512 * 4, rel=0.05)
@@ -94,12 +100,14 @@ def test_bad_benchmark_options_are_one_line_errors(capsys):
     assert ps.main(["--ps", "2", "--variants", "default,tf_recv_scheduling"]) == 2
     assert ps.main(["--emulate", "v100", "--variants", "default,replay"]) == 2
     assert ps.main(["--emulate", "t1000"]) == 2
+    assert ps.main(["--trace-after", "-1"]) == 2
     from tfoverlap.bench import ps_strategy
     assert ps_strategy.main(["--models", "resnet50", "--variants", "default,tac"]) == 2
     assert ps_strategy.main(["--models", "seq32"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 9 and all(line.startswith("tfoverlap bench: ") for line in errors)
-    assert "TAC needs a profile" in errors[7] and "not seq32" in errors[8]
+    assert len(errors) == 10 and all(line.startswith("tfoverlap bench: ") for line in errors)
+    assert "--trace-after must be >= 0" in errors[7]
+    assert "TAC needs a profile" in errors[8] and "not seq32" in errors[9]
 
 
 def test_the_colocated_layout_takes_a_ps_task_per_worker(capsys):

@@ -38,13 +38,25 @@ both kinds per step, and a worker's pull is stretched by the others' load on the
 direction it crosses (the other pullers and the host's own worker's pushes leaving a PS
 task's host, the others' pushes to its own shard entering its own).
 
+*Ordered, colocated, training: the workers drift anyway.* There each host's link carries,
+in the direction its shard's pulls leave by, its own worker's pushes too, in bursts as the
+backward pass makes gradients. Nothing holds the workers together, so they drift apart, and
+a worker's order then decides little about when its pulls arrive: its later pulls, released
+late, meet other hosts' push bursts. Measured on the testbed (ResNet-50, blocks of 6 steps):
+at 8 hosts the ordered steps after each block's lock-step first took the default's time
+(1.00x), at 4 hosts the gain was gone by the sixth step. On dedicated PS hosts, where the
+pushes use the other direction, the same order kept 4 workers on 4 PS tasks in step for
+12-step blocks (1.23x at every step). So there the ordered step is predicted to be the
+default's: ordering gains nothing.
+
 TicTac's gain estimate steps aside where the default it would replace is the faster one.
 """
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["StepPrediction", "predict_steps", "predict_steps_for_compute", "FORWARD_SHARE"]
+__all__ = ["StepPrediction", "predict_steps", "predict_steps_for_compute", "FORWARD_SHARE",
+           "ordered_workers_drift"]
 
 #: a training step's forward pass, as a share of its compute, where nothing tells it: the
 #: backward pass computes two products per forward one (input and weight gradients).
@@ -63,6 +75,7 @@ class StepPrediction:
     alone_seconds: float    # one worker's step with the links to itself
     workers: int
     link_seconds: float = 0.0   # the busiest link direction's bytes of every kind per step
+    ordered_drifts: bool = False  # ordered workers drift too: ``ordered`` is the default's
 
     @property
     def saturated(self) -> bool:
@@ -87,6 +100,9 @@ class StepPrediction:
     def describe(self) -> str:
         phase = ("the workers drift apart (a PS link direction is busier than a worker's "
                  "own step)" if self.saturated else "the workers move in lock step")
+        if self.ordered_drifts:
+            phase += (", and ordered ones drift apart too (each host's link carries its "
+                      "worker's pushes beside its shard's pulls), so the order gains nothing")
         workers = "one worker" if self.workers == 1 else f"{self.workers} workers"
         return (f"pulls {self.pull_seconds * 1e3:.3g} ms and pushes "
                 f"{self.push_seconds * 1e3:.3g} ms per step on the busiest link direction "
@@ -170,12 +186,22 @@ def _colocated_steps(pull_bytes: dict[str, float], push_bytes: dict[str, float],
                       + [leaving_pulls[own_task]]) / bandwidth
     drifted = _drifted_step(own_pulls, own_pushes, others_pull, others_push, forward,
                             backward)
-    return StepPrediction(
+    steps = StepPrediction(
         ordered=max(pulls, forward) + max(pushes, backward),
         default_lock=pulls + forward + max(pushes, backward),
         default_drift=max(link, drifted),
         pull_seconds=pulls, push_seconds=pushes, alone_seconds=alone, workers=workers,
         link_seconds=link)
+    if ordered_workers_drift(workers, pushed > 0, colocated=True):
+        steps = dataclasses.replace(steps, ordered=steps.default, ordered_drifts=True)
+    return steps
+
+
+def ordered_workers_drift(workers: int, training: bool, colocated: bool) -> bool:
+    """Whether ordered workers drift apart as the default's do, so that ordering gains
+    nothing: in training on the colocated layout, with others to drift from (see the
+    module's docstring for what was measured)."""
+    return colocated and training and workers > 1
 
 
 def predict_steps_for_compute(pull_bytes: dict[str, float], push_bytes: dict[str, float],

@@ -7,8 +7,10 @@ only its own transfers. How much of each PS link direction the simulated worker 
 depends on how the workers' phases line up; :mod:`tfoverlap.costs.contention` decides
 which case applies, by the rule TicTac's gain estimate uses:
 
-- *Lock step* (TIC and TAC always, as the contention model assumes: the same order on
-  every worker keeps them pulling together, computing together and pushing together;
+- *Lock step* (TIC and TAC, as the contention model assumes: the same order on every
+  worker keeps them pulling together, computing together and pushing together; but not
+  in training on the colocated layout, where ordered workers drift as the default's and
+  take its step, as measured;
   TensorFlow's default where no PS link direction carries more per step than one
   worker's own step takes): while the simulated worker moves data, all the others move
   theirs in the same direction, so each PS link direction gives it ``bandwidth /
@@ -60,7 +62,8 @@ from typing import Callable
 
 import numpy as np
 
-from tfoverlap.costs.contention import StepPrediction, predict_steps_for_compute
+from tfoverlap.costs.contention import (StepPrediction, ordered_workers_drift,
+                                        predict_steps_for_compute)
 from tfoverlap.costs.profile import Profile
 from tfoverlap.graph.devices import DeviceMatcher, parse_device_spec, task_of
 from tfoverlap.graph.model import (RESOURCE_HANDLE_OPS, GraphModel, edge_bytes, is_variable_op,
@@ -455,31 +458,54 @@ def predict_ps(graph_def, scenario: Scenario, algorithms=PS_ALGORITHMS,
     num_tasks = len(graph.tasks.kind)
     pulls = list(graph.pull_of_source.values())
     lock_step_links = _lock_step_links(graph, scenario)
+    ordered_drift = ordered_workers_drift(scenario.workers, bool(graph.push_bytes.any()),
+                                          scenario.layout == COLOCATED)
+    default_priorities = []
+    for seed in range(scenario.seeds):
+        priority = np.arange(num_tasks, dtype=float)
+        priority[pulls] = np.random.default_rng(seed).permutation(len(pulls))
+        default_priorities.append(priority)
+    default_phase: list = []     # (step, links, phase) of the default, once simulated
+
+    def iteration(links: _Links, priorities, edges) -> float:
+        return statistics.median(simulate(_problem(graph, scenario, p, links, edges)).makespan
+                                 for p in priorities)
+
+    def compute_only(priorities, edges):
+        return simulate(_problem(graph, scenario, priorities[0], lock_step_links, edges,
+                                 transfer_scale=0.0))
+
+    def phase_and_step(priorities, edges, drifts: bool) -> tuple[float, _Links, str]:
+        """The step, the links it had and the workers' phase (drifted only if ``drifts``
+        and the contention model says a link direction is saturated)."""
+        comp = compute_only(priorities, edges)
+        step, links = iteration(lock_step_links, priorities, edges), lock_step_links
+        phase = ALONE if scenario.workers == 1 else LOCK_STEP
+        if (drifts and phase != ALONE
+                and _contention(graph, scenario, comp.makespan).saturated):
+            phase = DRIFTED
+            step, links = _drifted_step(
+                graph, scenario, lambda l: iteration(l, priorities, edges), step)
+        return step, links, phase
+
     predictions = []
     for algorithm in algorithms:
         if algorithm == "default":
-            edges, count = [], len(pulls)
-            priorities = []
-            for seed in range(scenario.seeds):
-                priority = np.arange(num_tasks, dtype=float)
-                priority[pulls] = np.random.default_rng(seed).permutation(len(pulls))
-                priorities.append(priority)
+            edges, count, priorities = [], len(pulls), default_priorities
         else:
             edges, count = _gate_edges(graph, graph_def, scenario, algorithm, profile_path)
             priorities = [np.arange(num_tasks, dtype=float)]
-
-        def iteration(links: _Links, priorities=priorities, edges=edges) -> float:
-            return statistics.median(simulate(_problem(graph, scenario, p, links, edges)).makespan
-                                     for p in priorities)
-
-        comp = simulate(_problem(graph, scenario, priorities[0], lock_step_links, edges,
-                                 transfer_scale=0.0))
-        step, links = iteration(lock_step_links), lock_step_links
-        phase = ALONE if scenario.workers == 1 else LOCK_STEP
-        if (algorithm == "default" and phase != ALONE
-                and _contention(graph, scenario, comp.makespan).saturated):
-            phase = DRIFTED
-            step, links = _drifted_step(graph, scenario, iteration, step)
+        if algorithm == "default" or ordered_drift:
+            # Ordered workers that drift as the default's take the default's step
+            # (tfoverlap.costs.contention): their order no longer decides arrivals.
+            if not default_phase:
+                default_phase.append(phase_and_step(default_priorities, [], True))
+            step, links, phase = default_phase[0]
+            if algorithm != "default":
+                phase = DRIFTED
+        else:
+            step, links, phase = phase_and_step(priorities, edges, False)
+        comp = compute_only(priorities, edges)
         problem = _problem(graph, scenario, priorities[0], links, edges)
         comm = simulate(_problem(graph, scenario, priorities[0], links, edges, compute_scale=0.0))
         lower = lower_bound(problem)
