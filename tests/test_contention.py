@@ -101,3 +101,45 @@ def test_a_decision_near_min_gain_is_the_same_whichever_side_the_measurement_fal
         decisions.append(report.modified)
     assert gains[0] < 0.03 < gains[1]
     assert decisions[0] == decisions[1], gains
+
+
+def test_tictac_steps_aside_in_colocated_training_and_orders_colocated_inference():
+    """A PS task on every worker's host: ordered workers drift apart in training (each
+    host's link carries its worker's pushes beside its shard's pulls), so the same model
+    that is ordered on dedicated PS hosts is left alone; its inference graph, which pushes
+    nothing, is still ordered. The layout comes from the option."""
+    options = dict(schedule="tic", bandwidth="10Gbit", flops=2e10, credit=0, workers=4)
+    _, colocated = tfoverlap.optimize(_training_graph(4), layout="colocated", **options)
+    summary = colocated.passes[0].summary
+    assert not colocated.modified and "drift apart too" in summary["declined"]
+    assert summary["ordered_ms"] == summary["default_ms"]
+    _, dedicated = tfoverlap.optimize(_training_graph(4), layout="dedicated", **options)
+    assert dedicated.modified
+    inference = chain_model(num_layers=16, width=1024, batch=32, num_ps=4,
+                            training=False).graph.as_graph_def()
+    _, ordered = tfoverlap.optimize(inference, layout="colocated", **options)
+    assert ordered.modified and ordered.passes[0].summary["predicted_gain"] > 0.03
+
+
+def test_the_layout_comes_from_tf_config_where_a_ps_task_shares_this_host(monkeypatch):
+    import json
+    from tfoverlap.costs.host import colocated_ps_task
+    cluster = {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"],
+               "ps": ["10.0.0.1:2223", "10.0.0.2:2223"]}
+
+    def tf_config(cluster, index):
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
+                                                    "task": {"type": "worker",
+                                                             "index": index}}))
+    tf_config(cluster, 1)
+    assert colocated_ps_task() == "ps:1"
+    _, auto = tfoverlap.optimize(_training_graph(2), schedule="tic", bandwidth="10Gbit",
+                                 flops=2e10, credit=0)
+    assert "drift apart too" in auto.passes[0].summary["declined"]
+    # PS tasks on hosts of their own, or a one-machine cluster on loopback: dedicated.
+    tf_config({**cluster, "ps": ["10.0.0.3:2222", "10.0.0.4:2222"]}, 1)
+    assert colocated_ps_task() is None
+    tf_config({"worker": ["localhost:2222"], "ps": ["localhost:2223"]}, 0)
+    assert colocated_ps_task() is None
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    assert colocated_ps_task() is None

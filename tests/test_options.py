@@ -43,6 +43,7 @@ def test_rewriter_config_text_parses_back():
     ({"window": 0}, "option 'window' must be at least 1"),
     ({"workers": -1}, "option 'workers' must be 0 \\(ask TF_CONFIG\\) or more"),
     ({"gate": "sometimes"}, "option 'gate' must be one of"),
+    ({"layout": "stacked"}, "option 'layout' must be one of"),
     ({"window": "two"}, "option 'window' must be an integer"),
     ({"window": 1.5}, "option 'window' must be an integer"),
     ({"bandwidth": -5}, "bandwidth must be positive"),

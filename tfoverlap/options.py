@@ -24,6 +24,7 @@ DEFAULT_BANDWIDTH = 125e6
 SCHEDULES = ("tic", "tac", "none")
 ALLREDUCE_SCHEDULES = ("caramel", "none")
 GATES = ("arrival", "consumer")
+LAYOUTS = ("auto", "dedicated", "colocated")
 BUCKET_CHAINS = ("issued", "finished", "none")
 
 
@@ -58,6 +59,12 @@ class Options:
     workers:     how many workers pull from each PS task, sharing its link (TicTac's gain
                  estimate). 0 (default): the tasks that are not PS tasks in the cluster of
                  the TF_CONFIG environment variable (tf.distribute's), else 1.
+    layout:      where the PS tasks run, for TicTac's gain estimate: "dedicated" (hosts of
+                 their own), "colocated" (PS task i on worker i's host, sharing its link;
+                 ``workers`` then counts every worker; ordered training steps are
+                 predicted at the default's time, so TicTac steps aside there), or "auto"
+                 (default): colocated where TF_CONFIG puts a PS task at this task's
+                 address host (not loopback), else dedicated.
     profile:     a profile file written by ``tfoverlap.profile`` (TAC's costs); "" for none.
     bandwidth:   bytes per second of a link: transfer times missing from the profile, and
                  Caramel's beta (a number or a string such as "10Gbit"). "auto" (default):
@@ -125,6 +132,7 @@ class Options:
     gate: str = "arrival"
     ps_devices: str = "/job:ps"
     workers: int = 0
+    layout: str = "auto"
     profile: str = ""
     bandwidth: float = 0.0          # 0: "auto"
     allreduce: str = "none"
@@ -281,9 +289,9 @@ def parse_options(values: Mapping[str, Any] | None = None, *,
             value = str(value).lower()
             if value not in SCHEDULES:
                 raise ValueError(f"option 'schedule' must be one of {SCHEDULES}, got {value!r}")
-        elif name in ("gate", "bucket_chain"):
+        elif name in ("gate", "bucket_chain", "layout"):
             value = str(value).lower()
-            choices = GATES if name == "gate" else BUCKET_CHAINS
+            choices = {"gate": GATES, "bucket_chain": BUCKET_CHAINS, "layout": LAYOUTS}[name]
             if value not in choices:
                 raise ValueError(f"option {name!r} must be one of {choices}, got {value!r}")
         elif name == "allreduce":

@@ -163,7 +163,12 @@ def variant_spec(name: str, workdir: str, task: int, config: Configuration) -> d
     if spec.get("tfoverlap", {}).get("schedule") == "tac":  # TAC's profile, per worker
         spec["tfoverlap"]["profile"] = _profile_path(workdir, task)
     if spec.get("tfoverlap", {}).get("schedule") in ("tic", "tac"):
-        spec["tfoverlap"]["workers"] = config.workers_per_ps_link
+        # The testbed sets no TF_CONFIG, so the pass is told the layout; colocated, its
+        # estimate counts every worker and knows which PS task is on this host.
+        colocated = config.layout == "colocated"
+        spec["tfoverlap"]["layout"] = config.layout
+        spec["tfoverlap"]["workers"] = (config.num_workers if colocated
+                                        else config.workers_per_ps_link)
     if name == "replay":
         spec["tfoverlap"]["emulate"] = _profile_path(workdir, task)
     return spec

@@ -1,5 +1,6 @@
 """Facts about this host that estimates need when nothing was profiled: its FLOP rate, the
-links to the PS tasks that this process measured, and how many workers its cluster has.
+links to the PS tasks that this process measured, how many workers its cluster has, and
+which PS task shares this task's host.
 
 The FLOP rate is measured once per process with numpy (no TensorFlow session: the Grappler
 plugin calls this from inside TensorFlow's optimizer); the links are measured when a
@@ -15,7 +16,7 @@ import time
 import numpy as np
 
 __all__ = ["measure_flops", "host_flops", "record_link", "measured_links", "record_link_failure",
-           "link_failures", "cluster_workers"]
+           "link_failures", "cluster_workers", "colocated_ps_task"]
 
 _lock = threading.Lock()
 _measured: dict[str, float] = {}
@@ -86,3 +87,27 @@ def cluster_workers(ps_jobs=("ps",)) -> int:
                    if job not in ps_jobs and job != "evaluator")
     except (ValueError, AttributeError, TypeError):
         return 0
+
+
+_LOOPBACK_HOSTS = ("localhost", "127.", "::1", "[::1]")
+
+
+def colocated_ps_task(ps_jobs=("ps",)) -> str | None:
+    """The PS task ("job:index") that the cluster in ``TF_CONFIG`` puts on this task's
+    host (the same address host, on another port), or None: no TF_CONFIG, no such task,
+    or a loopback address, where every task of a one-machine cluster shares the host but
+    no link."""
+    try:
+        config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+        cluster, task = config.get("cluster") or {}, config.get("task") or {}
+        own = cluster[task["type"]][int(task.get("index", 0))]
+    except (ValueError, AttributeError, TypeError, KeyError, IndexError):
+        return None
+    host = str(own).rsplit(":", 1)[0]
+    if not host or host.startswith(_LOOPBACK_HOSTS):
+        return None
+    for job in sorted(ps_jobs):
+        for index, address in enumerate(cluster.get(job) or []):
+            if str(address).rsplit(":", 1)[0] == host:
+                return f"{job}:{index}"
+    return None

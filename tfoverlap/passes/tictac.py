@@ -88,7 +88,9 @@ def _decide(plan, options, estimate) -> str:
     devices = plan.model.colocated_devices()
     transfers = tuple(sorted((devices[t.source], t.destination, round(size))
                              for t, size in zip(plan.transfers, plan.sizes)))
-    shape = (options, plan.link, estimate.workers, transfers)
+    # A training and an inference graph of the same variables move the same pulls; only
+    # the training one pushes, and the decision may differ.
+    shape = (options, plan.link, estimate.workers, transfers, estimate.steps.push_seconds > 0)
     if shape not in _decisions:
         if len(_decisions) >= _MOST_DECISIONS:
             _decisions.clear()

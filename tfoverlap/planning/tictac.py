@@ -18,7 +18,8 @@ import dataclasses
 import hashlib
 
 from tfoverlap.costs.contention import StepPrediction, predict_steps_for_compute
-from tfoverlap.costs.host import cluster_workers, host_flops, link_failures, measured_links
+from tfoverlap.costs.host import (cluster_workers, colocated_ps_task, host_flops, link_failures,
+                                 measured_links)
 from tfoverlap.costs.network import estimate_transfer_seconds
 from tfoverlap.costs.profile import ProfileError, load_profile
 from tfoverlap.costs.static import static_costs
@@ -442,6 +443,8 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
                if spec.strip()} - {None}
     workers = options.workers or cluster_workers(ps_jobs or {"ps"}) or 1
     pushes = _push_bytes(graph_def, model, devices, plan)
+    hosted_here = (colocated_ps_task(ps_jobs or {"ps"}) if options.layout == "auto"
+                   else None)
     best = None
     for destination, order in plan.orders.items():
         # Bytes over the link, not the profile's transfer times: those overlap, and each
@@ -454,10 +457,12 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
             pulls[task] = pulls.get(task, 0.0) + (size if size is not None else plan.sizes[t])
         pushed = pushes.get(destination, {})
         compute = comp.get(destination, 0.0)
+        own_task = _own_ps_task(options, destination, set(pulls) | set(pushed), workers,
+                                hosted_here)
 
         def predict(link_factor=1.0, compute_factor=1.0):
             return predict_steps_for_compute(pulls, pushed, workers, bandwidth * link_factor,
-                                             compute * compute_factor)
+                                             compute * compute_factor, own_task=own_task)
 
         factors = (1 / DECISION_MARGIN, 1.0, DECISION_MARGIN)
         low_gain = min(predict(link, work).gain for link in factors for work in factors)
@@ -465,6 +470,20 @@ def estimate_gain(graph_def, plan: TransferPlan, options: Options) -> GainEstima
         if best is None or estimate.gain > best.gain:
             best = estimate
     return best
+
+
+def _own_ps_task(options: Options, destination: str, tasks: set[str], workers: int,
+                 hosted_here: str | None) -> str | None:
+    """The PS task ("job:index") on ``destination``'s host where the layout is colocated
+    (the option; or, for "auto", the one TF_CONFIG puts on this host), else None. PS task
+    i sits on worker i's host; a cluster with more PS tasks than workers is not colocated."""
+    if options.layout == "dedicated" or len(tasks) > workers:
+        return None
+    if options.layout == "auto":
+        return hosted_here
+    index = parse_device_spec(destination).get("task", "0")
+    job = next(iter(sorted(task.split(":")[0] for task in tasks)), "ps")
+    return f"{job}:{index}"
 
 
 def _push_bytes(graph_def, model: GraphModel, devices: list[str], plan: TransferPlan
