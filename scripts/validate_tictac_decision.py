@@ -27,7 +27,7 @@ def main(argv=None) -> int:
 
     import tensorflow as tf
     import tfoverlap
-    from tfoverlap.bench.ps import EMULATED_BATCH
+    from tfoverlap.bench.ps import EMULATED_BATCH, Configuration, variant_spec
     from tfoverlap.passes import tictac
     from tfoverlap.testbed.models import keras_model
     with open(args.results) as stream:
@@ -51,11 +51,12 @@ def main(argv=None) -> int:
         graph_def = tf.compat.v1.graph_util.extract_sub_graph(model.graph.as_graph_def(),
                                                               [fetch])
         tictac._decisions.clear()
-        _, report = tfoverlap.optimize(graph_def, fetch=[fetch], schedule="tic",
-                                       bandwidth=link, emulate=device,
-                                       # colocated, a worker reaches its own host's PS task
-                                       # off the link: the benchmark says so too
-                                       workers=max(1, workers - 1) if layout == "colocated" else workers)
+        # The options the benchmark's tic variant gives the pass (workers, layout).
+        config = Configuration(model_name, mode == "training", batch, None, num_ps=ps,
+                               num_workers=workers, layout=layout)
+        given = variant_spec("tic", "", 0, config)["tfoverlap"]
+        _, report = tfoverlap.optimize(graph_def, fetch=[fetch], bandwidth=link,
+                                       emulate=device, **given)
         summary = next(p.summary for p in report.passes if p.name == "tictac")
         ordered = "declined" not in summary
         verdict = ""
