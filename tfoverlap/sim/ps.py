@@ -475,10 +475,10 @@ def predict_ps(graph_def, scenario: Scenario, algorithms=PS_ALGORITHMS,
         return simulate(_problem(graph, scenario, priorities[0], lock_step_links, edges,
                                  transfer_scale=0.0))
 
-    def phase_and_step(priorities, edges, drifts: bool) -> tuple[float, _Links, str]:
+    def phase_and_step(priorities, edges, comp, drifts: bool) -> tuple[float, _Links, str]:
         """The step, the links it had and the workers' phase (drifted only if ``drifts``
-        and the contention model says a link direction is saturated)."""
-        comp = compute_only(priorities, edges)
+        and the contention model says a link direction is saturated); ``comp`` is the
+        compute-only simulation of the same priorities and edges."""
         step, links = iteration(lock_step_links, priorities, edges), lock_step_links
         phase = ALONE if scenario.workers == 1 else LOCK_STEP
         if (drifts and phase != ALONE
@@ -495,17 +495,20 @@ def predict_ps(graph_def, scenario: Scenario, algorithms=PS_ALGORITHMS,
         else:
             edges, count = _gate_edges(graph, graph_def, scenario, algorithm, profile_path)
             priorities = [np.arange(num_tasks, dtype=float)]
+        comp = compute_only(priorities, edges)
         if algorithm == "default" or ordered_drift:
             # Ordered workers that drift as the default's take the default's step
             # (tfoverlap.costs.contention): their order no longer decides arrivals.
             if not default_phase:
-                default_phase.append(phase_and_step(default_priorities, [], True))
+                default_comp = (comp if algorithm == "default"
+                                else compute_only(default_priorities, []))
+                default_phase.append(phase_and_step(default_priorities, [], default_comp,
+                                                    True))
             step, links, phase = default_phase[0]
             if algorithm != "default":
                 phase = DRIFTED
         else:
-            step, links, phase = phase_and_step(priorities, edges, False)
-        comp = compute_only(priorities, edges)
+            step, links, phase = phase_and_step(priorities, edges, comp, False)
         problem = _problem(graph, scenario, priorities[0], links, edges)
         comm = simulate(_problem(graph, scenario, priorities[0], links, edges, compute_scale=0.0))
         lower = lower_bound(problem)
