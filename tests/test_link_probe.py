@@ -136,3 +136,57 @@ def test_a_link_the_probe_could_not_measure_is_not_taken_as_fast_as_one_it_did(m
     assert source.startswith("measured for 1 of 2 PS tasks") and "timed out" in source
     bandwidth, _, source = link_figures(parse_options({}), {"/job:ps/task:0"})
     assert (bandwidth, source) == (1e9, "measured")
+
+
+def test_workers_that_start_together_probe_different_ps_tasks_first():
+    """8 workers, 8 PS tasks: in each turn of the probe every PS task is probed by one
+    worker, not all eight by worker 0's first; each worker's own index comes last, and
+    task 10 sorts after task 2."""
+    tasks = [f"/job:ps/replica:0/task:{index}" for index in range(8)]
+    orders = [link_probe.probe_order(list(reversed(tasks)), worker) for worker in range(8)]
+    for turn in range(8):
+        assert sorted(order[turn] for order in orders) == tasks
+    assert [order[-1] for order in orders] == tasks
+    many = [f"/job:ps/replica:0/task:{index}" for index in (10, 2, 1)]
+    assert link_probe.probe_order(many, None) == [many[2], many[1], many[0]]
+    assert link_probe.probe_order(many, 1) == [many[0], many[2], many[1]]
+
+
+def test_the_ps_task_on_the_workers_own_host_is_not_probed(monkeypatch):
+    """TF_CONFIG puts PS task 1 on worker 1's host: its bytes never cross the host's link,
+    so the probe leaves it out and measures the others from task 2 on."""
+    import json
+    from tfoverlap.costs import host
+    monkeypatch.setattr(host, "_links", {})
+    monkeypatch.setattr(host, "_link_failures", {})
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": [f"10.7.0.{i}:2222" for i in range(3)],
+                    "ps": [f"10.7.0.{i}:2223" for i in range(3)]},
+        "task": {"type": "worker", "index": 1}}))
+    asked = []
+
+    def measured(target, tasks, worker_device, config, deadline, on_result):
+        asked.extend(tasks)
+        for task in tasks:
+            on_result(task, (1e9, 1e-4))
+    monkeypatch.setattr(link_probe, "measure_ps_links", measured)
+    tasks = [f"/job:ps/replica:0/task:{index}" for index in range(3)]
+    link_probe._measure_tasks("grpc://10.7.0.1:2222", tasks,
+                              "/job:worker/replica:0/task:1/device:CPU:0", None, 2.0)
+    assert asked == [tasks[2], tasks[0]]
+    assert sorted(host.measured_links()) == [link_probe._link_device(t) for t in asked[::-1]]
+
+
+def test_many_ps_tasks_share_the_probes_time():
+    """Three PS tasks and rounds enough to take the whole time for the first: each task
+    gets its part, so every link is measured and the probe ends in time."""
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        cluster.start_worker_in_process(0)
+        tasks = [f"/job:ps/replica:0/task:{index}" for index in range(3)]
+        began = time.monotonic()
+        results = link_probe.measure_ps_links(
+            cluster.target(), tasks, "/job:worker/replica:0/task:0/device:CPU:0",
+            deadline=began + 6.0, probe_bytes=4 * 2 ** 20, repeats=1000)
+        took = time.monotonic() - began
+    assert took < 6.0 + 1.0
+    assert all(isinstance(results[task], tuple) for task in tasks), results

@@ -17,6 +17,12 @@ of time or measures a figure no link can have is remembered for the process (one
 and TicTac plans with the assumed link, saying so in its report. The results go to
 :mod:`tfoverlap.costs.host`, where the pass finds them. Nothing of the user's graph or
 variables is touched; the probe creates its tensors on the PS and frees them.
+
+Many PS tasks share the time: each gets an equal part of what is left, at least two timed
+rounds, and more while its part lasts. Workers that start together probe the PS tasks in
+turn from the one after their own index (:func:`probe_order`), not all the first one at
+once, and a PS task that ``TF_CONFIG`` puts on the worker's own host is not probed: its
+bytes never cross the host's link.
 """
 from __future__ import annotations
 
@@ -26,14 +32,15 @@ import statistics
 import threading
 import time
 
-from tfoverlap.costs.host import link_failures, measured_links, record_link, record_link_failure
+from tfoverlap.costs.host import (colocated_ps_task, link_failures, measured_links, record_link,
+                                  record_link_failure)
 from tfoverlap.graph.devices import DeviceMatcher
 from tfoverlap.integrations.grappler import OPTIMIZER_NAME
 from tfoverlap.log import logger
 from tfoverlap.options import parse_options
 
 __all__ = ["measure_ps_links", "link_from_timings", "link_from_rounds", "install_session_hook",
-           "coordinator_link", "with_link",
+           "coordinator_link", "with_link", "probe_order",
            "ImplausibleLink", "PROBE_BYTES", "PROBE_SECONDS", "MAX_PLAUSIBLE_BANDWIDTH"]
 
 #: the largest fetch; the probe sizes its two down to about PROBE_TRANSFER_SECONDS together.
@@ -116,14 +123,34 @@ def _task_of(device: str) -> str:
     return f"/job:{parsed.job}/replica:{parsed.replica or 0}/task:{parsed.task or 0}"
 
 
+def _task_key(task: str) -> tuple[str, int]:
+    """(job, task index) of "/job:ps/replica:0/task:10", for sorting task 10 after task 2."""
+    from tensorflow.python.framework import device as tf_device
+    parsed = tf_device.DeviceSpec.from_string(task)
+    return parsed.job or "", parsed.task or 0
+
+
+def probe_order(tasks: list[str], worker_index: int | None) -> list[str]:
+    """The order in which the worker of ``worker_index`` probes ``tasks``: by job and task
+    index, starting after its own index and going round. Workers that start together then
+    probe different PS tasks at once (with a PS task per worker, one each), and the task of
+    the worker's own index, on a colocated cluster the one on its own host, comes last."""
+    ordered = sorted(tasks, key=_task_key)
+    if worker_index is None or not ordered:
+        return ordered
+    start = (worker_index + 1) % len(ordered)
+    return ordered[start:] + ordered[:start]
+
+
 def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", config=None,
                      deadline: float | None = None, probe_bytes: int = PROBE_BYTES,
                      repeats: int = 5, on_result=None) -> dict:
     """Measures the link from each of ``ps_tasks`` to ``worker_device`` (the session's own
     device where empty) through ``target``, in one probe session with ``config``'s
-    settings (:func:`_probe_config`). Returns task -> (bytes/s, round trip s), or task ->
-    why not (a string); calls ``on_result(task, result)`` as each is known. Runs stop at
-    ``deadline`` (time.monotonic())."""
+    settings (:func:`_probe_config`), in the order given. Returns task -> (bytes/s, round
+    trip s), or task -> why not (a string); calls ``on_result(task, result)`` as each is
+    known. Runs stop at ``deadline`` (time.monotonic()); each task gets an equal part of
+    the time left, in which it runs up to ``repeats`` timed rounds and at least two."""
     import numpy as np
     import tensorflow as tf
     deadline = time.monotonic() + PROBE_SECONDS if deadline is None else deadline
@@ -148,16 +175,23 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
         session.run(fetch, feed_dict={size: count}, options=options)
         return time.perf_counter() - began
 
-    def timed_rounds(session, runs: list[tuple], rounds: int) -> list[list[float]]:
+    def timed_rounds(session, runs: list[tuple], rounds: int,
+                     until: float = float("inf")) -> list[list[float]]:
         """Seconds of each (fetch, count) per round, the runs taken in turn round after
         round (a load that comes and goes then weighs on all alike), after one warm-up
-        round; a random pause between rounds keeps workers that probe together apart."""
+        round; a random pause between rounds keeps workers that probe together apart.
+        After the second, a round starts only if one more as long as the last ends by
+        ``until`` (time.monotonic())."""
         for fetch, count in runs:
             run_once(session, fetch, count)
-        times = []
+        times, last_round_s = [], 0.0
         for _ in range(rounds):
+            if len(times) >= 2 and time.monotonic() + last_round_s > until:
+                break
+            began = time.monotonic()
             time.sleep(random.uniform(0, PROBE_TRANSFER_SECONDS))
             times.append([run_once(session, fetch, count) for fetch, count in runs])
+            last_round_s = time.monotonic() - began
         return times
 
     _measuring.active = True
@@ -165,7 +199,9 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
         with tf.compat.v1.Session(target, graph=graph,
                                   config=_probe_config(config, ps_tasks, worker_device)) as s:
             local = fetches[worker_device or None]
-            for task in ps_tasks:
+            for position, task in enumerate(ps_tasks):
+                share_ends = time.monotonic() + (deadline - time.monotonic()) / (
+                    len(ps_tasks) - position)
                 try:
                     remote = fetches[task]
                     ((round_trip, rough),) = timed_rounds(s, [(remote, 1), (remote, 2 ** 18)], 1)
@@ -174,7 +210,8 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
                     count = int(min(max(rough_rate * PROBE_TRANSFER_SECONDS / 2, 2 ** 20),
                                     probe_bytes / 2)) // 4
                     rounds = timed_rounds(s, [(remote, 1), (remote, count), (remote, 2 * count),
-                                              (local, count), (local, 2 * count)], repeats)
+                                              (local, count), (local, 2 * count)], repeats,
+                                           until=share_ends)
                     result = (link_from_rounds(count * 4, [r[1:] for r in rounds]),
                               statistics.median(r[0] for r in rounds))
                 except ImplausibleLink as error:
@@ -255,9 +292,16 @@ def _measure_for_session(target, graph, config, seconds: float = PROBE_SECONDS) 
 def _measure_tasks(target: str, tasks: list[str], worker_device: str, config,
                    seconds: float) -> None:
     """Measures the links from those of ``tasks`` not measured yet to ``worker_device``
-    through ``target``, at most ``seconds``; records every outcome."""
+    through ``target``, at most ``seconds``, in :func:`probe_order`; records every outcome.
+    The PS task on the worker's own host (:func:`colocated_ps_task`) is left out."""
     known = set(measured_links()) | set(link_failures())
-    tasks = [task for task in tasks if _link_device(task) not in known]
+    own_host = colocated_ps_task()
+    if own_host:
+        job, index = own_host.split(":")
+        known.add(_link_device(f"/job:{job}/replica:0/task:{index}"))
+    worker = _task_of(worker_device)
+    tasks = [task for task in probe_order(tasks, _task_key(worker)[1] if worker else None)
+             if _link_device(task) not in known]
     if not tasks:
         return
     outcomes: dict = {}
