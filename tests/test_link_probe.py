@@ -190,3 +190,16 @@ def test_many_ps_tasks_share_the_probes_time():
         took = time.monotonic() - began
     assert took < 6.0 + 1.0
     assert all(isinstance(results[task], tuple) for task in tasks), results
+
+
+def test_a_dilated_testbed_gives_the_probe_dilated_time():
+    """The testbed slows its links by the dilation option, so the probe's time grows with
+    it; without the option, or with a bad one (the pass reports it), it is the plain time."""
+    dilated = tfoverlap.session_config(schedule="tic", dilation=100)
+    assert link_probe.probe_seconds(dilated) == 100 * link_probe.PROBE_SECONDS
+    assert link_probe.probe_seconds(tfoverlap.session_config(schedule="tic")) == \
+        link_probe.PROBE_SECONDS
+    dilated.graph_options.rewrite_options.custom_optimizers[0].parameter_map[
+        "dilation"].f = 0.5
+    assert link_probe.probe_seconds(dilated) == link_probe.PROBE_SECONDS
+    assert link_probe.probe_seconds(None, 2.0) == 2.0

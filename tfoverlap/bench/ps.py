@@ -335,6 +335,7 @@ def timing_row(result: dict, name: str, rounds: int) -> dict:
         "ordering_edges": passes.get("ordering_edges", ""),
         "gates": passes.get("gates", ""),
         "declined": bool(passes.get("declined")),
+        "pass_link": passes.get("link", ""),
     }
 
 

@@ -148,6 +148,7 @@ class Worker:
                             "gates": entry.summary.get("gates", 0),
                             "predicted_gain": entry.summary.get("predicted_gain"),
                             "declined": entry.summary.get("declined", ""),
+                            "link": entry.summary.get("link", ""),
                             "modified": any(r.modified for r in reports)}
         return {"transfers": 0, "ordering_edges": 0, "modified": False}
 

@@ -12,7 +12,8 @@ fastest of several rounds: workers that start together also probe together.
 
 The probe never makes a session start wait for what plain TensorFlow would not wait for:
 its session keeps the program's config (device filters, cluster, timeouts), waits only for
-the tasks it measures, and gets :data:`PROBE_SECONDS` in all. A probe that fails, runs out
+the tasks it measures, and gets :data:`PROBE_SECONDS` in all (times the ``dilation``
+option, on a testbed that slows its links by it). A probe that fails, runs out
 of time or measures a figure no link can have is remembered for the process (one warning),
 and TicTac plans with the assumed link, saying so in its report. The results go to
 :mod:`tfoverlap.costs.host`, where the pass finds them. Nothing of the user's graph or
@@ -40,7 +41,7 @@ from tfoverlap.log import logger
 from tfoverlap.options import parse_options
 
 __all__ = ["measure_ps_links", "link_from_timings", "link_from_rounds", "install_session_hook",
-           "coordinator_link", "with_link", "probe_order",
+           "coordinator_link", "with_link", "probe_order", "probe_seconds",
            "ImplausibleLink", "PROBE_BYTES", "PROBE_SECONDS", "MAX_PLAUSIBLE_BANDWIDTH"]
 
 #: the largest fetch; the probe sizes its two down to about PROBE_TRANSFER_SECONDS together.
@@ -172,7 +173,10 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
             raise TimeoutError("out of time")
         options = tf.compat.v1.RunOptions(timeout_in_ms=remaining_ms)
         began = time.perf_counter()
-        session.run(fetch, feed_dict={size: count}, options=options)
+        try:
+            session.run(fetch, feed_dict={size: count}, options=options)
+        except tf.errors.DeadlineExceededError:
+            raise TimeoutError("out of time") from None
         return time.perf_counter() - began
 
     def timed_rounds(session, runs: list[tuple], rounds: int,
@@ -181,7 +185,7 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
         round (a load that comes and goes then weighs on all alike), after one warm-up
         round; a random pause between rounds keeps workers that probe together apart.
         After the second, a round starts only if one more as long as the last ends by
-        ``until`` (time.monotonic())."""
+        ``until`` (time.monotonic()); one cut short by the deadline after two is dropped."""
         for fetch, count in runs:
             run_once(session, fetch, count)
         times, last_round_s = [], 0.0
@@ -190,7 +194,12 @@ def measure_ps_links(target: str, ps_tasks: list[str], worker_device: str = "", 
                 break
             began = time.monotonic()
             time.sleep(random.uniform(0, PROBE_TRANSFER_SECONDS))
-            times.append([run_once(session, fetch, count) for fetch, count in runs])
+            try:
+                times.append([run_once(session, fetch, count) for fetch, count in runs])
+            except TimeoutError:
+                if len(times) < 2:
+                    raise
+                break
             last_round_s = time.monotonic() - began
         return times
 
@@ -232,24 +241,50 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:200]
 
 
-def _wants_measurement(config) -> list[str] | None:
-    """The PS device specs of a config that switches TfOverlap on without a bandwidth."""
+def _tfoverlap_parameters(config):
+    """The parameter_map of ``config``'s TfOverlap optimizer, or None."""
     if config is None:
         return None
     for optimizer in config.graph_options.rewrite_options.custom_optimizers:
-        if optimizer.name != OPTIMIZER_NAME:
-            continue
-        parameters = optimizer.parameter_map
-        if "bandwidth" in parameters and (parameters["bandwidth"].f or parameters["bandwidth"].i
-                                          or parameters["bandwidth"].s not in (b"", b"auto")):
-            return None
-        schedule = parameters["schedule"].s.decode() if "schedule" in parameters else "tic"
-        if schedule == "none":
-            return None
-        spec = (parameters["ps_devices"].s.decode() if "ps_devices" in parameters
-                else parse_options().ps_devices)
-        return [s.strip() for s in spec.split(",") if s.strip()]
+        if optimizer.name == OPTIMIZER_NAME:
+            return optimizer.parameter_map
     return None
+
+
+def probe_seconds(config, seconds: float = PROBE_SECONDS) -> float:
+    """The probe's time under ``config``: ``seconds``, times the ``dilation`` option where
+    TfOverlap's is given. A dilated testbed slows its links by that factor, so a probe
+    that fits its time on the real link fits this much on the dilated one."""
+    parameters = _tfoverlap_parameters(config)
+    if parameters is None or "dilation" not in parameters:
+        return seconds
+    try:
+        return seconds * parse_options({"dilation": _attr_value(parameters["dilation"])},
+                                       check_files=False).dilation
+    except ValueError:
+        return seconds      # the pass reports the bad option itself
+
+
+def _attr_value(value):
+    """A number or string AttrValue's value."""
+    kind = value.WhichOneof("value")
+    return value.s.decode() if kind == "s" else getattr(value, kind) if kind else None
+
+
+def _wants_measurement(config) -> list[str] | None:
+    """The PS device specs of a config that switches TfOverlap on without a bandwidth."""
+    parameters = _tfoverlap_parameters(config)
+    if parameters is None:
+        return None
+    if "bandwidth" in parameters and (parameters["bandwidth"].f or parameters["bandwidth"].i
+                                      or parameters["bandwidth"].s not in (b"", b"auto")):
+        return None
+    schedule = parameters["schedule"].s.decode() if "schedule" in parameters else "tic"
+    if schedule == "none":
+        return None
+    spec = (parameters["ps_devices"].s.decode() if "ps_devices" in parameters
+            else parse_options().ps_devices)
+    return [s.strip() for s in spec.split(",") if s.strip()]
 
 
 def _placement(graph, specs: list[str]) -> tuple[list[str], str]:
@@ -274,8 +309,9 @@ def _link_device(task: str) -> str:
 
 
 def _measure_for_session(target, graph, config, seconds: float = PROBE_SECONDS) -> None:
-    """Measures the links of a session about to start, at most ``seconds``; every outcome
-    is recorded in :mod:`tfoverlap.costs.host`, so no task is probed twice."""
+    """Measures the links of a session about to start, at most ``seconds`` (dilated,
+    :func:`probe_seconds`); every outcome is recorded in :mod:`tfoverlap.costs.host`, so
+    no task is probed twice."""
     if getattr(_measuring, "active", False) or not isinstance(target, str):
         return
     if not target.startswith("grpc://"):
@@ -286,7 +322,7 @@ def _measure_for_session(target, graph, config, seconds: float = PROBE_SECONDS) 
     import tensorflow as tf
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     tasks, worker_device = _placement(graph, specs)
-    _measure_tasks(target, tasks, worker_device, config, seconds)
+    _measure_tasks(target, tasks, worker_device, config, probe_seconds(config, seconds))
 
 
 def _measure_tasks(target: str, tasks: list[str], worker_device: str, config,
@@ -365,8 +401,8 @@ def coordinator_link(config, worker_device: str, seconds: float = PROBE_SECONDS
         return None
     with _coordinator_lock:
         if tuple(specs) not in _coordinator_figures:
-            _coordinator_figures[tuple(specs)] = _measure_cluster(specs, worker_device,
-                                                                  seconds)
+            _coordinator_figures[tuple(specs)] = _measure_cluster(
+                specs, worker_device, probe_seconds(config, seconds))
         return _coordinator_figures[tuple(specs)]
 
 
