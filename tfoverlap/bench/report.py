@@ -36,8 +36,8 @@ RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "d
                 "predicted_s", "prediction_error", "round_low", "round_high",
                 "deferred_gradients", "deferred_mb", "decoupled_gradients",
                 "reduce_scatter_buckets", "gather_requests", "api", "steps_per_execution",
-                "drain_ms", "order_concordance", "later_s", "later_speedup", "command",
-                "date")
+                "drain_ms", "order_concordance", "later_s", "later_speedup", "pass_link",
+                "command", "date")
 #: PS rows: per PS count; Keras rows (api "keras") and TF2 PS rows (api "ps_strategy")
 #: apart from graph-mode ones (no api), and per steps_per_execution
 _ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps", "api",
