@@ -226,11 +226,22 @@ def _attr(node, name: str):
 
 def emulated_op_seconds(graph_def, options) -> tuple[dict, str]:
     """(node -> seconds, a description) of the ops the emulate pass will replace, as they
-    will run (dilation applied); ({}, "") without ``options.emulate``. TicTac and Caramel
-    plan on the original graph, with these times for the ops that will be emulated."""
+    will run (dilation applied), and of the kernels it already put in ``graph_def`` (their
+    own durations, and none for its stream waits, which only forward tensors: Grappler runs
+    the passes again on the graph its first round emulated); ({}, "") where there are
+    neither. TicTac and Caramel plan on the original graph, with these times for the ops
+    that will be emulated."""
+    emulated = {node.name: (node.attr["duration_us"].f * 1e-6 if node.op == EMULATED_OP
+                            else 0.0)
+                for node in graph_def.node if node.op in (EMULATED_OP, STREAM_WAIT_OP)}
+    kernels = sum(node.op == EMULATED_OP for node in graph_def.node)
+    described = f"{kernels} emulated kernels' own durations" if emulated else ""
     if not options.emulate:
-        return {}, ""
+        return emulated, described
     _, plans = emulate_until_done(graph_def, options)
-    return ({emulation.node: emulation.seconds for plan in plans
-             for emulation in plan.emulations},
-            f"emulated {plans[0].device.name} x{options.dilation:g}")
+    planned = {emulation.node: emulation.seconds for plan in plans
+               for emulation in plan.emulations}
+    if planned or not emulated:
+        described = f"emulated {plans[0].device.name} x{options.dilation:g}" + (
+            f" and {described}" if emulated else "")
+    return {**emulated, **planned}, described
