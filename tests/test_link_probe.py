@@ -171,8 +171,16 @@ def test_the_ps_task_on_the_workers_own_host_is_not_probed(monkeypatch):
             on_result(task, (1e9, 1e-4))
     monkeypatch.setattr(link_probe, "measure_ps_links", measured)
     tasks = [f"/job:ps/replica:0/task:{index}" for index in range(3)]
-    link_probe._measure_tasks("grpc://10.7.0.1:2222", tasks,
-                              "/job:worker/replica:0/task:1/device:CPU:0", None, 2.0)
+    graph = tf.Graph()
+    with graph.as_default():
+        values = []
+        for task in tasks:
+            with tf.device(task):
+                values.append(tf.Variable(1.0))
+        with tf.device("/job:worker/replica:0/task:1"):
+            tf.add_n(values)
+    link_probe._measure_for_session("grpc://10.7.0.1:2222", graph,
+                                    tfoverlap.session_config(schedule="tic"), seconds=2.0)
     assert asked == [tasks[2], tasks[0]]
     assert sorted(host.measured_links()) == [link_probe._link_device(t) for t in asked[::-1]]
 

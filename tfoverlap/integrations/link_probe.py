@@ -322,19 +322,22 @@ def _measure_for_session(target, graph, config, seconds: float = PROBE_SECONDS) 
     import tensorflow as tf
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     tasks, worker_device = _placement(graph, specs)
-    _measure_tasks(target, tasks, worker_device, config, probe_seconds(config, seconds))
+    # This process is the worker probed: the PS task on its own host is left out.
+    own_host = colocated_ps_task()
+    left_out = set()
+    if own_host:
+        job, index = own_host.split(":")
+        left_out.add(f"/job:{job}/replica:0/task:{index}")
+    _measure_tasks(target, tasks, worker_device, config, probe_seconds(config, seconds),
+                   left_out)
 
 
 def _measure_tasks(target: str, tasks: list[str], worker_device: str, config,
-                   seconds: float) -> None:
-    """Measures the links from those of ``tasks`` not measured yet to ``worker_device``
-    through ``target``, at most ``seconds``, in :func:`probe_order`; records every outcome.
-    The PS task on the worker's own host (:func:`colocated_ps_task`) is left out."""
-    known = set(measured_links()) | set(link_failures())
-    own_host = colocated_ps_task()
-    if own_host:
-        job, index = own_host.split(":")
-        known.add(_link_device(f"/job:{job}/replica:0/task:{index}"))
+                   seconds: float, left_out: set[str] = frozenset()) -> None:
+    """Measures the links from those of ``tasks`` not measured yet (nor ``left_out``) to
+    ``worker_device`` through ``target``, at most ``seconds``, in :func:`probe_order`;
+    records every outcome."""
+    known = set(measured_links()) | set(link_failures()) | {_link_device(t) for t in left_out}
     worker = _task_of(worker_device)
     tasks = [task for task in probe_order(tasks, _task_key(worker)[1] if worker else None)
              if _link_device(task) not in known]
