@@ -36,7 +36,7 @@ import time
 from tfoverlap.costs.host import (colocated_ps_task, link_failures, measured_links, record_link,
                                   record_link_failure)
 from tfoverlap.graph.devices import DeviceMatcher
-from tfoverlap.integrations.grappler import OPTIMIZER_NAME
+from tfoverlap.integrations.grappler import OPTIMIZER_NAME, options_from_parameters
 from tfoverlap.log import logger
 from tfoverlap.options import parse_options
 
@@ -259,16 +259,10 @@ def probe_seconds(config, seconds: float = PROBE_SECONDS) -> float:
     if parameters is None or "dilation" not in parameters:
         return seconds
     try:
-        return seconds * parse_options({"dilation": _attr_value(parameters["dilation"])},
-                                       check_files=False).dilation
+        dilation = options_from_parameters(parameters)["dilation"]
+        return seconds * parse_options({"dilation": dilation}, check_files=False).dilation
     except ValueError:
         return seconds      # the pass reports the bad option itself
-
-
-def _attr_value(value):
-    """A number or string AttrValue's value."""
-    kind = value.WhichOneof("value")
-    return value.s.decode() if kind == "s" else getattr(value, kind) if kind else None
 
 
 def _wants_measurement(config) -> list[str] | None:
