@@ -16,7 +16,7 @@ JOB = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_contract.py")
 
 EXACT = ["plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
          "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule", "adam",
-         "nesterov", "make_callable", "monitored_session"]
+         "nesterov", "make_callable", "monitored_session", "end_of_input"]
 
 
 def _contract_job(job: str, checkpoints) -> list[dict]:
@@ -52,7 +52,9 @@ def test_every_value_checkpoint_and_weight_is_horovods(patterns, pattern):
     - two_optimizers: a second deferring optimizer trained in its own runs;
     - schedule, adam, nesterov: a decayed rate, Adam's beta powers, Nesterov momentum;
     - make_callable, monitored_session: a step callable, and MonitoredTrainingSession
-      with Horovod's broadcast hook (a finalized graph)."""
+      with Horovod's broadcast hook (a finalized graph);
+    - end_of_input: after each step, a run over an exhausted input fails at once while it
+      applies the pending update (the update completes; none is lost or applied twice)."""
     for rank, records in enumerate(patterns):
         plain, deferred = records[pattern]["horovod"], records[pattern]["cross_step"]
         assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)

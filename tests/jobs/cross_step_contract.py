@@ -26,7 +26,7 @@ from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
 PATTERNS = ("plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
             "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule",
             "adam", "nesterov", "clip", "gradient_after", "accumulation", "make_callable",
-            "monitored_session", "auto_declined")
+            "monitored_session", "auto_declined", "end_of_input")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
 STEPS = 4
@@ -100,6 +100,10 @@ def build(pattern, distributed):
             extra["other_train"] = other.minimize(other_loss, var_list=others)
             extra["other_loss"] = other_loss
             weights = weights + others
+        if pattern == "end_of_input":     # a run that fails: its input is exhausted
+            batch = tf.compat.v1.data.make_one_shot_iterator(tf.data.Dataset.from_tensor_slices(
+                np.zeros((0, 64), np.float32)).batch(32)).get_next()
+            extra["exhausted"] = tf.reduce_sum(chain(batch, weights))
         validation = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             y, chain(x, weights[:len(SHAPES)])))
         init = tf.group(tf.compat.v1.global_variables_initializer(),
@@ -155,6 +159,11 @@ def train(pattern, variant):
                                             {x: VALIDATION, y: LABELS[0]})))
         if pattern == "gradient_after":
             values.append(float(session.run(model["gradient_norm"], feed)))
+        if pattern == "end_of_input":
+            try:
+                session.run(model["exhausted"])
+            except tf.errors.OutOfRangeError:
+                values.append("out of range")
         if pattern == "flush_midway" and index == 1 and model["flush"] is not None:
             session.run(model["flush"])
         if pattern == "checkpoint" and index == 1:

@@ -6,22 +6,25 @@ inside the step gets past forward pass + ring. This moves the reductions of the 
 that become ready last (the first layers') out of the step, under the next step's forward
 pass, and keeps every value a program can see equal to plain Horovod's:
 
-- The train run stores each deferred gradient, unreduced, in a queue, and with it a token:
+- The train run stores each deferred gradient, unreduced, in a queue, and stages a token:
   the values of the step that its update must use (learning rate, momentum, Adam's beta
   powers), read where the step's own updates read them.
 - When a run that stored returns, a background run of the same session reduces the stored
-  gradients, chunk by chunk, first layers first, and queues the results. Every rank makes
+  gradients, chunk by chunk, first layers first, and stages the results. Every rank makes
   the same train runs, so every rank starts the same reductions: no run that a program
   makes on one rank alone (a validation, a checkpoint, an export) ever starts a
   collective.
 - Every op that uses a deferred variable or one of its optimizer slots (the next step's
   forward pass, a validation loss, a Saver, Horovod's broadcast, a read of the weights)
   first runs its chunk's *apply*: where a token is pending, it takes the reduced
-  gradients and applies them with the token's values; else it does nothing. Ops built
-  later (a Saver, a summary) are made to wait when a session first runs the graph after
-  they were built. So on any rank, whatever looks at the weights sees plain Horovod's
-  weights, and each gradient is applied exactly once. Stateful optimizers get no update
-  with a zero gradient, checkpoints hold no extra variables, and nothing is left to flush.
+  gradients and applies them with the token's values; else it does nothing. Token and
+  gradients are taken off only once applied, by ops that a failing run does not cancel
+  (:func:`staged_apply`): a run that fails while it applies (an exhausted input) still
+  applies the update whole. Ops built later (a Saver, a summary) are made to wait when a
+  session first runs the graph after they were built. So on any rank, whatever looks at
+  the weights sees plain Horovod's weights, and each gradient is applied exactly once.
+  Stateful optimizers get no update with a zero gradient, checkpoints hold no extra
+  variables, and nothing is left to flush.
 
 Deferred: ``GradientDescentOptimizer``, ``MomentumOptimizer`` and ``AdamOptimizer``
 (any learning rate: a constant, a tensor, a schedule), resource variables with a dense
@@ -40,7 +43,8 @@ from tfoverlap.log import logger
 
 __all__ = ["deferral_refused", "reducing_allreduce", "defer_updates", "flush_op",
            "deferral_summary", "DEFERRABLE_OPTIMIZERS", "DeferralError", "register_pending",
-           "mark_deferred", "pending_summaries", "not_reduced_alone"]
+           "mark_deferred", "pending_summaries", "not_reduced_alone", "staged_apply",
+           "stage_results", "arrival_queue"]
 
 DEFERRABLE_OPTIMIZERS = ("GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer")
 # Ops that use a variable's handle but not its value: they need not wait for an update.
@@ -55,13 +59,14 @@ class DeferralError(RuntimeError):
 class _Group:
     """The deferred updates of one optimizer's apply_gradients."""
     name: str
-    stores: tuple                  # the train run's token enqueues (the run that stores)
+    stores: tuple                  # the train run's token puts (the run that stores)
     reduce: object                 # the op of the background run that reduces the stores
     close: object                  # closes the queues (a failed reduction)
     guard_of: dict                 # handle tensor name -> its chunk's apply op
     reduced: frozenset             # names of the reduced gradients (only the reduction's)
     own: frozenset                 # names of the ops this group built
     summary: dict
+    broadcast_with: dict           # handle tensor name -> op run with its broadcast
 
 
 @dataclasses.dataclass
@@ -194,6 +199,7 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
     global-norm clip, a summary), nothing is deferred, with one line at
     ``refusal_level``."""
     import tensorflow as tf
+    from tensorflow.python.ops.data_flow_ops import StagingArea
     pairs = list(grads_and_vars)
     deferred = [i for chunk in chunks for i in chunk]
     refused = not_reduced_alone(pairs, reduced, deferred)
@@ -227,13 +233,13 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
                           if all(g.shape.is_fully_defined() for g in grads) else None)
                 stored = tf.queue.FIFOQueue(1, [g.dtype for g in grads], shapes,
                                             name="stored")
-                tokens = tf.queue.FIFOQueue(1, [v.dtype for v in values], name="token")
-                ready = tf.queue.FIFOQueue(1, [reduced[i].dtype for i in chunk],
-                                           shapes, name="reduced")
+                tokens = StagingArea([v.dtype for v in values], capacity=1)
+                ready = StagingArea([reduced[i].dtype for i in chunk], capacity=1)
+                arrived = arrival_queue()
                 closes += [queue.close(cancel_pending_enqueues=True)
-                           for queue in (stored, tokens, ready)]
+                           for queue in (stored, arrived)]
                 applies.append(_pending_apply(optimizer, [variables[i] for i in chunk],
-                                              tokens, ready))
+                                              tokens, ready, arrived))
                 for i in chunk:
                     guard_of[variables[i].handle.name] = applies[-1]
                     for slot in optimizer.get_slot_names():
@@ -251,9 +257,9 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
                         op._remove_all_control_inputs()  # noqa: SLF001 - only this run's now
                     entry._update_input(0, tensor)  # noqa: SLF001 - see live_graph
                     mark_deferred(allreduce)
-                reduces.append(ready.enqueue([reduced[i] for i in chunk]))
+                reduces.append(stage_results(ready, arrived, [reduced[i] for i in chunk]))
                 chained = [allreduces[i] for i in chunk]
-                stores.append((stored.enqueue(grads), tokens.enqueue(values)))
+                stores.append((stored.enqueue(grads), tokens.put(values)))
         # The step's stores wait for the applies of the step before it (its token).
         token_stores = []
         for stored_op, token_op in stores:
@@ -278,23 +284,27 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
 
 
 def register_pending(graph, name: str, stores, background, close, guard_of: dict,
-                     hidden=frozenset(), own=frozenset(), summary=None) -> None:
+                     hidden=frozenset(), own=frozenset(), summary=None,
+                     broadcast_with=None) -> None:
     """Registers work that a train run leaves pending for the next one (cross-step's
     deferred reductions, decoupled reduction's all-gathers), and installs the session hooks
     that keep it safe:
 
     ``stores``: names of the ops that mark a run as the train run; when such a run
     returns, ``background`` (an op) runs in a background run of the same session, on every
-    rank alike; ``close`` cancels its queues if it fails. ``guard_of``: handle tensor name
-    -> the op that applies what is pending to that variable (or slot): every op built
-    outside ``own`` (op names) that uses the handle waits for it. ``hidden``: names of
+    rank alike; ``close`` closes its queues if it fails. ``guard_of``:
+    handle tensor name -> the op that applies what is pending to that variable (or slot):
+    every op built outside ``own`` (op names) that uses the handle waits for it. ``hidden``: names of
     tensors that exist only in the background run (using one is a :class:`DeferralError`).
-    ``summary``: what :func:`deferral_summary` adds up."""
+    ``summary``: what :func:`deferral_summary` adds up. ``broadcast_with``: handle tensor
+    name -> an op (collective) that every Horovod broadcast of that variable from rank 0
+    runs first (decoupled reduction's optimizer state, which is not a global variable)."""
     import tensorflow as tf
     state = _graphs.setdefault(graph, _GraphState())
     with _lock:
         state.groups.append(_Group(name, tuple(stores), background, close, guard_of,
-                                   frozenset(hidden), frozenset(own), summary or {}))
+                                   frozenset(hidden), frozenset(own), summary or {},
+                                   dict(broadcast_with or {})))
         state.trained_by.clear()
         with graph.as_default(), tf.control_dependencies(None):
             state.flush = tf.group(*[apply for group in state.groups
@@ -330,23 +340,62 @@ def _read_before_the_step_advances(optimizer, reads, step_ops) -> None:
             op._add_control_inputs([read.op for read in reads])  # noqa: SLF001
 
 
-def _pending_apply(optimizer, variables, tokens, ready):
-    """The op that applies a chunk's pending update, if one is pending (its token is
-    queued), else does nothing."""
+def _pending_apply(optimizer, variables, tokens, ready, arrived):
+    """The op that applies a chunk's pending update with the step's values and the reduced
+    gradients, if one is pending, else does nothing (:func:`staged_apply`)."""
+
+    def update(values, gradients):
+        return [_apply(optimizer, variable, gradient, values)
+                for variable, gradient in zip(variables, gradients)]
+
+    return staged_apply(tokens, ready, arrived, update)
+
+
+def _listed(tensors) -> list:
+    return tensors if isinstance(tensors, list) else [tensors]
+
+
+def staged_apply(tokens, ready, arrived, update):
+    """The op that applies a chunk's pending update, if one is pending (a token is staged
+    in the ``tokens`` StagingArea by the train run), else does nothing.
+
+    ``update(values, results)`` builds the update's ops from the token's values and what
+    the background run staged in ``ready``; it waits for them on the ``arrived`` queue,
+    which the background run fills after staging them (:func:`stage_results`; a wait that
+    holds no thread, where a StagingArea's peek would). Token and results are taken off
+    only after the update has run, and past the wait no op is one that a failing run
+    cancels: a run that fails while it applies (an exhausted input, a refused save) still
+    completes the update, and one that fails before leaves it whole for the next run."""
     import tensorflow as tf
 
     def apply_pending():
-        values = tokens.dequeue()
-        gradients = ready.dequeue()
-        values = values if isinstance(values, list) else [values]
-        gradients = gradients if isinstance(gradients, list) else [gradients]
-        updates = [_apply(optimizer, variable, gradient, values)
-                   for variable, gradient in zip(variables, gradients)]
+        with tf.control_dependencies([arrived.dequeue()]):
+            values, results = _listed(tokens.peek(0)), _listed(ready.peek(0))
+        updates = update(values, results)
         with tf.control_dependencies(updates):
+            taken = _listed(ready.get())
+        with tf.control_dependencies(taken):
+            done = _listed(tokens.get())
+        with tf.control_dependencies(done):
             return tf.constant(True)
 
     return tf.cond(tokens.size() > 0, apply_pending, lambda: tf.constant(False),
                    name="apply").op
+
+
+def stage_results(ready, arrived, results):
+    """The background run's op that stages ``results`` in ``ready`` and then says so on
+    ``arrived`` (for :func:`staged_apply`)."""
+    import tensorflow as tf
+    with tf.control_dependencies([ready.put(results)]):
+        return arrived.enqueue([tf.constant(True)])
+
+
+def arrival_queue(name: str = "arrived"):
+    """The queue on which :func:`staged_apply` waits for the background run's results;
+    closing it (the background run failed) makes that wait fail instead of hang."""
+    import tensorflow as tf
+    return tf.queue.FIFOQueue(1, [tf.bool], [[]], name=name)
 
 
 def _guard_new_ops(graph, state) -> None:
@@ -358,6 +407,8 @@ def _guard_new_ops(graph, state) -> None:
     own = frozenset().union(*(group.own for group in state.groups))
     guard_of = {name: apply for group in state.groups for name, apply in group.guard_of.items()}
     reduced = frozenset().union(*(group.reduced for group in state.groups))
+    broadcast_with = {name: op for group in state.groups
+                      for name, op in group.broadcast_with.items()}
     new = sorted((op for op in graph.get_operations() if op._id > state.scanned_id),  # noqa: SLF001
                  key=lambda op: op._id)  # noqa: SLF001
     for op in new:
@@ -376,10 +427,34 @@ def _guard_new_ops(graph, state) -> None:
             apply = guard_of.get(tensor.name)
             if apply is not None and apply not in op.control_inputs and apply not in waits:
                 waits.append(apply)
+        if op.type == "HorovodBroadcast" and broadcast_with:
+            try:
+                waits += _broadcast_companions(op, broadcast_with, op.control_inputs + waits)
+            except DeferralError:
+                state.scanned_id = op._id - 1  # noqa: SLF001 - raised again next run
+                state.scanned = 0
+                raise
         if waits:
             op._add_control_inputs(waits)  # noqa: SLF001 - not yet run by any session
     state.scanned = graph.version
     state.scanned_id = max((op._id for op in new), default=state.scanned_id)  # noqa: SLF001
+
+
+def _broadcast_companions(broadcast, broadcast_with: dict, present) -> list:
+    """The ops of ``broadcast_with`` that the Horovod ``broadcast`` op must run first: the
+    one of the variable it broadcasts (read by a ReadVariableOp), if any and not in
+    ``present``. Raises DeferralError for a broadcast from another rank than 0."""
+    source = broadcast.inputs[0].op
+    if source.type != "ReadVariableOp" or source.inputs[0].name not in broadcast_with:
+        return []
+    root = broadcast.get_attr("root_rank")
+    if root != 0:
+        raise DeferralError(
+            f"tfoverlap: decouple: {broadcast.name} broadcasts a decoupled variable from "
+            f"rank {root}; its sharded optimizer state is broadcast from rank 0 only. "
+            "Broadcast from rank 0, or configure(decouple=False)")
+    companion = broadcast_with[source.inputs[0].name]
+    return [] if companion in present else [companion]
 
 
 def _trained_groups(graph, state, fetched_ops, fed_tensors) -> list:
