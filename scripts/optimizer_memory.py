@@ -33,15 +33,17 @@ def _rank_main(models, steps: int) -> None:
                 tfo_hvd.configure(decouple=True, cross_step=False, force=True,
                                   bandwidth="25Gbit", latency=50e-6, flops=1e13)
                 distributed = tfo_hvd
-            model = build_model(name, 2, 0, "/cpu:0", True, seed=0, wrap_optimizer=lambda _,
-                                distributed=distributed: distributed.DistributedOptimizer(
-                                    tf.compat.v1.train.AdamOptimizer(1e-4), sparse_as_dense=True))
+            optimizers = []
+
+            def wrap(_, distributed=distributed):
+                optimizers.append(distributed.DistributedOptimizer(
+                    tf.compat.v1.train.AdamOptimizer(1e-4), sparse_as_dense=True))
+                return optimizers[-1]
+
+            model = build_model(name, 2, 0, "/cpu:0", True, seed=0, wrap_optimizer=wrap)
             tfo_hvd.configure()
-            with model.graph.as_default():
-                state = [v for v in tf.compat.v1.global_variables()
-                         if v.shape.num_elements() > 1
-                         and all(v is not w for w in model.variables)
-                         and "moving_" not in v.name]
+            with model.graph.as_default():     # its slots (shards, decoupled), not the powers
+                state = [v for v in optimizers[0].variables() if v.shape.num_elements() > 1]
             with tf.compat.v1.Session(graph=model.graph) as session:
                 session.run(model.init)
                 for _ in range(steps):

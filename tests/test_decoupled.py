@@ -1,7 +1,7 @@
 """Decoupled reduction: reduce-scatter under the backward pass, sharded update, all-gather
 under the next forward pass. The plan on plain numbers and on a Horovod graph, the CLI,
 and a 2-rank Gloo job (tests/jobs/decoupled_training.py) that trains two models 100 steps
-with and without it and compares every value bit for bit."""
+with and without it and compares every value bit for bit, also across checkpoints."""
 import json
 import os
 import sys
@@ -187,9 +187,11 @@ def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_stat
 def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
     """At 4 ranks the reduce-scatter (Gloo's halving-doubling) adds the ranks' gradients in
     another order than Horovod's ring: 10 steps stay within a few float32 ulps of plain
-    Horovod (measured: losses 2.1e-7 relative, weights 8e-7), and each rank holds a
-    quarter of the optimizer state."""
-    for record in (record["records"] for record in _job_records(tmp_path, 4, 10)):
+    Horovod (measured: losses 2.1e-7 relative, weights 8e-7), each rank holds a quarter
+    of the optimizer state, and 5 steps on from a checkpoint written half way (with or
+    without decouple) stay as close to plain Horovod trained straight."""
+    for whole in _job_records(tmp_path, 4, 10):
+        record = whole["records"]
         for run in ("chain/sgd", "chain/momentum", "chain/adam", "convnet/sgd",
                     "convnet/momentum", "convnet/adam"):
             plain, decoupled = record[run]["horovod"], record[run]["decoupled"]
@@ -201,6 +203,52 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
             slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
             assert decoupled["optimizer_bytes"] <= (plain["optimizer_bytes"] / 4
                                                     + 3 * 4 * buckets * slots)
+        for run in CHECKPOINTED:          # a quarter of each slot per rank, restored
+            saved = whole["checkpoints"][run]
+            for continued in _CONTINUED:
+                np.testing.assert_allclose(saved[continued][1]["losses"],
+                                           saved["straight"]["losses"][-5:], rtol=2e-6)
+
+
+CHECKPOINTED = ["chain/momentum", "convnet/adam"]
+_CONTINUED = ("decoupled_then_plain", "plain_then_decoupled", "decoupled_then_decoupled")
+
+
+@pytest.mark.parametrize("run", CHECKPOINTED)
+def test_checkpoints_hold_the_whole_optimizer_state_under_its_plain_names(records, run):
+    """A Saver on rank 0 alone writes the weights and the whole optimizer state
+    (consolidated first on every rank) under the names plain Horovod's checkpoint has.
+    Training on from it without decouple, from a plain checkpoint with decouple (restored
+    on rank 0 alone, broadcast), and with decouple again (restored on every rank), every
+    loss and the final weights are those of plain Horovod trained straight through."""
+    for rank, record in enumerate(record["checkpoints"][run] for record in records):
+        straight = record["straight"]["losses"]
+        for continued in _CONTINUED:
+            first, then = record[continued]
+            half = len(first["losses"])
+            assert half > 0 and len(then["losses"]) == half, continued
+            assert first["losses"] == straight[:half], (rank, continued)
+            assert then["losses"] == straight[half:], (rank, continued)
+            assert then["final"] == record["straight"]["final"], (rank, continued)
+        if rank == 0:
+            names = record["plain_then_decoupled"][0]["saved"]
+            assert record["decoupled_then_plain"][0]["saved"] == names
+            assert record["initial"]["saved"] == names
+            slots = [name for name, _ in names if name.rsplit("/", 1)[-1] in
+                     ("Momentum", "Adam", "Adam_1")]
+            assert slots and not any("tfoverlap" in name for name, _ in names)
+
+
+@pytest.mark.parametrize("run", CHECKPOINTED)
+def test_a_save_of_the_sharded_state_on_one_rank_is_refused_until_it_is_consolidated(
+        records, run):
+    """After a train run, rank 0 alone cannot write the state the other ranks hold: its
+    Saver fails with the remedy named (no hang, no partial checkpoint); before the first
+    train run the state is the optimizer's zeros and saves as it is."""
+    record = records[0]["checkpoints"][run]
+    refusal = record["decoupled_then_plain"][0]["unconsolidated_save"]
+    assert "consolidate_optimizer_state(session) on every rank" in refusal
+    assert record["initial"]["unconsolidated_save"] == "saved"
 
 
 def test_gradients_changed_after_the_reduction_are_refused_in_one_warning(records):

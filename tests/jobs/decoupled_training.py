@@ -4,10 +4,13 @@ all-gather under the next forward pass) from the same initial weights, with SGD,
 Momentum on a decayed rate and Adam. Between steps every rank computes a validation
 loss, and rank 0 alone another one (neither may start a collective).
 
-Also: gradients clipped after the reduction (refused), and decouple="auto" below min_gain
-(declined, cross-step overlap instead). Writes one JSON record per rank (to
-$DECOUPLED_RECORDS/rank-N.json): per model, optimizer and variant, the losses, the validation values, the final weights, the bytes of
-optimizer state on this rank, what was decoupled and tfoverlap's warnings.
+Also: gradients clipped after the reduction (refused), decouple="auto" below min_gain
+(declined, cross-step overlap instead), and checkpoints written and read half way, with
+and without decouple, against plain Horovod trained straight. Writes one JSON record per
+rank (to $DECOUPLED_RECORDS/rank-N.json): per model, optimizer and variant, the losses,
+the validation values, the final weights, the bytes of optimizer state on this rank, what
+was decoupled and tfoverlap's warnings; per checkpointed run, each segment's losses and
+final weights, what the checkpoint holds and what a save refused.
 """
 import json
 import logging
@@ -33,6 +36,9 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 #: (model, optimizer) runs whose gradients are clipped by their global norm after the
 #: reduction: outside the contract, refused in one warning.
 CLIPPED = (("chain", "momentum"),)
+#: Runs saved and restored half way (tests/test_decoupled.py's checkpoint tests).
+CHECKPOINTED = (("chain", "momentum"), ("convnet", "adam"))
+CHECKPOINT_STEPS = 10
 
 hvd.init()
 RANK = hvd.rank()
@@ -69,7 +75,9 @@ def optimizer_of(name, step):
     return tf.compat.v1.train.AdamOptimizer(0.003)
 
 
-def train(model, optimizer_name, variant, inputs, labels, validation, clip=False):
+def build(model, optimizer_name, variant, clip=False):
+    """The training graph of ``model`` with ``optimizer_name``, plain Horovod's or through
+    tfoverlap.horovod as ``variant`` configures it."""
     if variant == "decoupled":
         tfo_hvd.configure(decouple=True, cross_step=False, **OPTIONS)
         distributed = tfo_hvd
@@ -97,18 +105,27 @@ def train(model, optimizer_name, variant, inputs, labels, validation, clip=False
             train_op = optimizer.minimize(loss, global_step=step)
         init = tf.compat.v1.global_variables_initializer()
         broadcast = hvd.broadcast_global_variables(0)
-        state = [v for v in tf.compat.v1.global_variables()
-                 if v not in weights and v is not step]
+        # What the optimizer holds on this rank: its slots (a shard of each bucket where
+        # decoupled) and its other variables (Adam's beta powers).
+        state = optimizer.variables()
+    tfo_hvd.configure()
+    return dict(graph=graph, x=x, y=y, loss=loss, weights=weights, train=train_op,
+                init=init, broadcast=broadcast, state=state)
+
+
+def train(model, optimizer_name, variant, inputs, labels, validation, clip=False):
+    built = build(model, optimizer_name, variant, clip)
+    graph, x, y, loss, weights = (built[k] for k in ("graph", "x", "y", "loss", "weights"))
     record = {}
     with tf.compat.v1.Session(graph=graph) as session:
-        session.run(init)
+        session.run(built["init"])
         initial = np.random.default_rng(7)       # the same start in every variant
         for weight in weights:
             weight.load(initial.normal(0, 0.1, weight.shape).astype(np.float32), session)
-        session.run(broadcast)
+        session.run(built["broadcast"])
         losses, validations = [], []
         for index in range(STEPS):
-            losses.append(float(session.run([loss, train_op],
+            losses.append(float(session.run([loss, built["train"]],
                                             {x: inputs[index], y: labels[index]})[0]))
             if index % 10 == 9:           # every rank alike, then rank 0 alone
                 validations.append(float(session.run(loss, {x: validation[0],
@@ -119,12 +136,86 @@ def train(model, optimizer_name, variant, inputs, labels, validation, clip=False
         record["losses"] = losses
         record["validations"] = validations
         record["final"] = [w.tolist() for w in session.run(weights)]
-        record["optimizer_bytes"] = int(sum(v.shape.num_elements() * 4 for v in state
+        record["optimizer_bytes"] = int(sum(v.shape.num_elements() * 4
+                                            for v in built["state"]
                                             if v.shape.num_elements() > 1))
     record["decoupled"] = decoupling_summary(graph)
     record["deferred"] = deferral_summary(graph)
-    tfo_hvd.configure()
     return record
+
+
+def barrier():
+    """Every rank waits here for the others (a checkpoint rank 0 wrote is complete)."""
+    with tf.Graph().as_default():
+        done = hvd.allreduce(tf.constant(0.0), name="barrier")
+        with tf.compat.v1.Session() as session:
+            session.run(done)
+
+
+def segment(model, optimizer_name, variant, inputs, labels, first, steps, restore=None,
+            restore_on="every rank", save=None, consolidate=True):
+    """Trains steps ``first`` to ``first + steps``: from ``restore`` (a checkpoint, read on
+    every rank, or on rank 0 alone and broadcast) or the common initial weights; rank 0
+    alone saves to ``save`` at the end (after every rank consolidated, if asked).
+    Returns the losses, the final weights and what the save raised."""
+    built = build(model, optimizer_name, variant)
+    graph, x, y, loss, weights = (built[k] for k in ("graph", "x", "y", "loss", "weights"))
+    with graph.as_default():
+        saver = tf.compat.v1.train.Saver()
+    record = {}
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(built["init"])
+        if restore is None:
+            initial = np.random.default_rng(7)
+            for weight in weights:
+                weight.load(initial.normal(0, 0.1, weight.shape).astype(np.float32), session)
+        elif restore_on == "every rank" or RANK == 0:
+            saver.restore(session, restore)
+        session.run(built["broadcast"])
+        record["losses"] = [float(session.run([loss, built["train"]],
+                                              {x: inputs[i], y: labels[i]})[0])
+                            for i in range(first, first + steps)]
+        if save is not None:
+            if not consolidate and RANK == 0:     # rank 0 alone: the state is sharded
+                try:
+                    saver.save(session, save + "-unconsolidated")
+                    record["unconsolidated_save"] = "saved"
+                except tf.errors.OpError as error:
+                    record["unconsolidated_save"] = error.message
+            tfo_hvd.consolidate_optimizer_state(session)
+            if RANK == 0:
+                saver.save(session, save)
+        record["final"] = [w.tolist() for w in session.run(weights)]
+    if save is not None:
+        barrier()
+        record["saved"] = sorted(map(list, tf.train.list_variables(save)))
+    return record
+
+
+def checkpoints(directory, inputs, labels) -> dict:
+    """Plain Horovod trained 2 x HALF steps straight, against: decoupled for HALF steps,
+    saved on rank 0, then plain Horovod from that checkpoint; plain, saved, then
+    decoupled from it restored on rank 0 alone and broadcast; decoupled, saved, then
+    decoupled restored on every rank. Also a save on rank 0 without consolidating, and a
+    save before the first step."""
+    half, runs = min(CHECKPOINT_STEPS, STEPS // 2), {}
+    for model, name in CHECKPOINTED:
+        path = os.path.join(directory, f"{model}-{name}")
+        entry = {"straight": segment(model, name, "horovod", inputs, labels, 0, 2 * half),
+                 "initial": segment(model, name, "decoupled", inputs, labels, 0, 0,
+                                    save=path + "-initial", consolidate=False)}
+        first = segment(model, name, "decoupled", inputs, labels, 0, half,
+                        save=path + "-decoupled", consolidate=False)
+        entry["decoupled_then_plain"] = [first, segment(
+            model, name, "horovod", inputs, labels, half, half, restore=path + "-decoupled")]
+        first = segment(model, name, "horovod", inputs, labels, 0, half, save=path + "-plain")
+        entry["plain_then_decoupled"] = [first, segment(
+            model, name, "decoupled", inputs, labels, half, half, restore=path + "-plain",
+            restore_on="rank 0")]
+        entry["decoupled_then_decoupled"] = [entry["decoupled_then_plain"][0], segment(
+            model, name, "decoupled", inputs, labels, half, half, restore=path + "-decoupled")]
+        runs[f"{model}/{name}"] = entry
+    return runs
 
 
 def main():
@@ -150,11 +241,12 @@ def main():
             entry[variant]["warnings"] = caught.messages
         records[f"{model}/{optimizer_name}" + ("/clip" if clip else "")
                 + ("/declined" if other == "declined" else "")] = entry
-    path = os.path.join(os.environ["DECOUPLED_RECORDS"], f"rank-{RANK}.json")
+    directory = os.environ["DECOUPLED_RECORDS"]
+    saved = checkpoints(directory, inputs, labels)
     halves = measure_halves(repeats=2)
-    with open(path, "w") as stream:
+    with open(os.path.join(directory, f"rank-{RANK}.json"), "w") as stream:
         json.dump({"rank": RANK, "size": hvd.size(), "records": records,
-                   "halves": halves}, stream)
+                   "checkpoints": saved, "halves": halves}, stream)
     print(f"rank {RANK} done", flush=True)
 
 

@@ -18,7 +18,7 @@ Cross-step overlap (on where the plan predicts a gain) runs in graph mode
 (:mod:`tfoverlap.horovod.keras_deferred`) and for tape steps in a loop inside one
 ``tf.function`` (:mod:`tfoverlap.horovod.tape_deferred`). Graph mode also offers
 decoupled reduction (:mod:`tfoverlap.horovod.decoupled`, ``configure(decouple=...)``, off
-by default).
+by default; :func:`consolidate_optimizer_state` on every rank before a save on one).
 
 The network model (alpha, beta) is what :func:`configure` was given, else it is measured
 once with a few AllReduces of two sizes. Op times come from a profile (``profile=``), from
@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import sys
 
+from tfoverlap.horovod.decoupled import consolidate_optimizer_state
 from tfoverlap.horovod.measure import host_facts, measure_flops, measure_network, warmup_profile
 from tfoverlap.horovod.settings import caramel_options, configure, network_model
 from tfoverlap.horovod.wrappers import DistributedGradientTape, DistributedOptimizer, flush_op
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
            "measure_flops", "host_facts", "network_model", "caramel_options", "flush_op",
-           "warmup_profile"]
+           "warmup_profile", "consolidate_optimizer_state"]
 
 if "tensorflow" in sys.modules:
     # A tape step's loop may be traced before its first tape is made: hook loops now.

@@ -22,28 +22,40 @@ up to the order in which the reduce-scatter adds the ranks' gradients), half of 
 bytes move under the backward pass and half under the next forward pass, and optimizer
 memory falls by the number of ranks.
 
+**Checkpoints and broadcasts** see whole slots under their plain names
+(:class:`ShardedState`): a checkpoint written with decoupling restores without it and
+the other way round. Restoring needs no collective; a restore on rank 0 alone reaches the
+other ranks' shards through Horovod's broadcast from rank 0, which carries the slots
+along. Writing the state on one rank needs the others' shards: every rank first runs
+:func:`consolidate_optimizer_state` (as ZeRO's and PyTorch's sharded optimizers ask), and
+a save without it is refused with that remedy named.
+
 Decoupled: ``GradientDescentOptimizer``, ``MomentumOptimizer`` and ``AdamOptimizer`` with
 float32 resource variables, dense gradients and no compression, where the gradient given
 to apply_gradients is the reduced gradient alone. Anything else trains without it
 (cross-step overlap where configured, else the in-step plan), with one line saying why.
-Not yet: checkpoints of the sharded optimizer state (a Saver writes each rank's own shard
-of it), Keras and ``tf.function`` steps.
+Not yet: object-based checkpoints (``tf.train.Checkpoint``) of the sharded state, Keras
+and ``tf.function`` steps.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
+import weakref
 
-from tfoverlap.horovod.deferred import (DEFERRABLE_OPTIMIZERS, deferral_refused,
-                                        mark_deferred, not_reduced_alone, pending_summaries,
-                                        register_pending)
+from tfoverlap.horovod.deferred import (DEFERRABLE_OPTIMIZERS, arrival_queue,
+                                        deferral_refused, mark_deferred, not_reduced_alone,
+                                        pending_summaries, register_pending, stage_results,
+                                        staged_apply)
 from tfoverlap.log import logger
 
 __all__ = ["decoupling_refused", "decouple_updates", "decoupling_summary",
-           "DECOUPLABLE_OPTIMIZERS", "BucketLayout"]
+           "consolidate_optimizer_state", "DECOUPLABLE_OPTIMIZERS", "BucketLayout",
+           "ShardedState"]
 
 DECOUPLABLE_OPTIMIZERS = DEFERRABLE_OPTIMIZERS
+_consolidations = weakref.WeakKeyDictionary()      # graph -> consolidate ops
 
 
 def decoupling_refused(optimizer, variables, reduced, compression) -> str:
@@ -124,6 +136,7 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
     needed first. ``apply_in_step(pairs)`` is the wrapped optimizer's apply_gradients."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
+    from tensorflow.python.ops.data_flow_ops import StagingArea
     pairs = list(grads_and_vars)
     refused = not_reduced_alone(pairs, reduced, range(len(pairs)))
     if refused:
@@ -141,26 +154,28 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
     with tf.control_dependencies(None), graph.name_scope(name + "/"):
         stored = [tf.queue.FIFOQueue(1, [tf.float32], [[layout.shard]], name=f"stored{b}")
                   for b, layout in enumerate(layouts)]
-        gathered = [tf.queue.FIFOQueue(1, [tf.float32], [[ranks * layout.shard]],
-                                       name=f"gathered{b}") for b, layout in enumerate(layouts)]
-        tokens = [tf.queue.FIFOQueue(1, [tf.bool], [[]], name=f"token{c}")
-                  for c in range(len(gathers))]
-        guard_of, applies, enqueues, chained = {}, [], [], []
+        gathered_shapes = [[[ranks * layouts[b].shard] for b in chunk] for chunk in gathers]
+        gathered = [StagingArea([tf.float32] * len(chunk), shapes, capacity=1)
+                    for chunk, shapes in zip(gathers, gathered_shapes)]
+        tokens = [StagingArea([tf.bool], [[]], capacity=1) for _ in gathers]
+        arrived = [arrival_queue(f"arrived{number}") for number in range(len(gathers))]
+        guard_of, applies, puts, chained = {}, [], [], []
         for number, chunk in enumerate(gathers):
             with graph.name_scope(f"gather{number}"):
                 with tf.control_dependencies(chained):       # first layers first
                     shards = [stored[b].dequeue() for b in chunk]
                 whole = hvd.grouped_allgather(shards, process_set=process_set)
-                enqueues += [gathered[b].enqueue([t]) for b, t in zip(chunk, whole)]
+                puts.append(stage_results(gathered[number], arrived[number], whole))
                 chained = whole
-                applies.append(_pending_apply(tokens[number], [gathered[b] for b in chunk],
-                                              [layouts[b] for b in chunk], variables))
+                applies.append(_pending_apply(tokens[number], gathered[number],
+                                              arrived[number], [layouts[b] for b in chunk],
+                                              variables))
                 for b in chunk:
                     for i in layouts[b].members:
                         guard_of[variables[i].handle.name] = applies[-1]
-        background = tf.group(*enqueues, name="gather")
+        background = tf.group(*puts, name="gather")
         close = tf.group(*[queue.close(cancel_pending_enqueues=True)
-                           for queue in stored + gathered + tokens], name="close")
+                           for queue in stored + arrived], name="close")
     own = frozenset(op.name for op in graph.get_operations()[first_op:])
     for allreduce in allreduces:
         mark_deferred(allreduce)         # left unrun: Caramel plans around it
@@ -184,47 +199,260 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
                 parts.append(tf.zeros([layout.shard - owned]))
             loads.append(shard_variables[-1].assign(
                 parts[0] if len(parts) == 1 else tf.concat(parts, 0), read_value=False))
-        with tf.compat.v1.init_scope():
-            optimizer._create_slots(shard_variables)  # noqa: SLF001 - as apply_gradients would
-        with tf.control_dependencies(loads):
+    # In the program's name scope, as apply_gradients would: Adam's beta powers keep the
+    # names a checkpoint of the program without decoupling has.
+    with tf.compat.v1.init_scope():
+        optimizer._create_slots(shard_variables)  # noqa: SLF001
+    with tf.control_dependencies(None), graph.name_scope(name + "/state/"):
+        state = ShardedState(optimizer, variables, layouts, shard_variables, rank,
+                             process_set)
+    with graph.name_scope(name + "/step/"):
+        with tf.control_dependencies(loads + state.ensure_initialized()):
             update = apply_in_step(list(zip(shard_gradients, shard_variables)))
         stores = []
         with tf.control_dependencies([update]):
             for b, variable in enumerate(shard_variables):
                 stores.append(stored[b].enqueue([variable.read_value()]))
             with tf.control_dependencies(stores):
-                marks = [token.enqueue([True]) for token in tokens]
-        train = tf.group(update, *stores, *marks, name="train")
+                marks = [token.put([tf.constant(True)]) for token in tokens]
+            dropped = state.drop_whole()         # the step changed the shards
+        train = tf.group(update, *stores, *marks, *dropped, name="train")
     summary = {"decoupled": len(pairs), "buckets": [len(b) for b in buckets],
                "gathers": [len(chunk) for chunk in gathers],
                "bytes": sum(4 * layout.total for layout in layouts),
                "shard_bytes": sum(4 * layout.shard for layout in layouts)}
+    broadcast_with = ({} if state.broadcast is None else
+                      {variable.handle.name: state.broadcast for variable in variables})
     register_pending(graph, name, [mark.name for mark in marks], background, close,
-                     guard_of, own=own, summary=summary)
+                     guard_of, own=own, summary=summary, broadcast_with=broadcast_with)
+    _consolidations.setdefault(graph, []).append(state.consolidate)
     logger.info("tfoverlap: decouple: %d gradients reduce-scattered in %d buckets, "
                 "all-gathered under the next forward pass in %d requests", len(pairs),
                 len(buckets), len(gathers))
     return train
 
 
-def _pending_apply(token, gathered, layouts, variables):
+CONSOLIDATE_FIRST = (
+    "tfoverlap: decouple: the optimizer state is sharded across the ranks, and this rank "
+    "holds only its shard: run tfoverlap.horovod.consolidate_optimizer_state(session) on "
+    "every rank after the last train run and before saving on one rank")
+
+
+class ShardedState:
+    """The optimizer slots of the shards, seen from outside as whole slots.
+
+    Each rank's slot variables hold its shard of every bucket. They are left out of the
+    global variables (a Saver would write each rank's shard, a broadcast would copy rank
+    0's shard to every rank) and initialized when first used. What a checkpoint or a
+    broadcast sees instead is each variable's whole slot under the name the optimizer
+    would have given it without decoupling (``dense/kernel/Momentum``), kept in a *whole*
+    buffer per variable and slot wherever this rank has it: after a restore, a
+    consolidation or a broadcast, until the next train run changes the shards."""
+
+    def __init__(self, optimizer, variables, layouts, shard_variables, rank, process_set):
+        import tensorflow as tf
+        self.variables, self.layouts, self.rank = variables, layouts, rank
+        self.process_set = process_set
+        names = sorted(optimizer.get_slot_names())
+        # Every decouplable optimizer starts its slots at zero.
+        self.slots = [[optimizer.get_slot(shard, slot) for slot in names]
+                      for shard in shard_variables]
+        global_variables = tf.compat.v1.get_collection_ref(
+            tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+        for slot in (slot for bucket in self.slots for slot in bucket):
+            global_variables.remove(slot)
+        self._ensured = [[self._ensure(slot) for slot in bucket] for bucket in self.slots]
+        graph = tf.compat.v1.get_default_graph()
+        self.whole = {}             # (pair index, slot position) -> resource handle
+        for b, layout in enumerate(layouts):
+            for i in layout.members:
+                for position in range(len(names)):
+                    name = f"whole{i}_{position}"
+                    self.whole[i, position] = tf.raw_ops.VarHandleOp(
+                        dtype=tf.float32, shape=variables[i].shape, name=name,
+                        shared_name=graph.unique_name(name, mark_as_used=False))
+        self.consolidate = self._build_consolidate()
+        self.broadcast = self._build_broadcast() if names else None
+        for b, layout in enumerate(layouts):
+            for i in layout.members:
+                for position, shard_slot in enumerate(self.slots[b]):
+                    suffix = shard_slot.op.name[len(shard_variables[b].op.name) + 1:]
+                    tf.compat.v1.add_to_collection(
+                        tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS,
+                        _whole_slot(self, b, i, position, f"{variables[i].op.name}/{suffix}"))
+
+    @staticmethod
+    def _ensure(slot):
+        import tensorflow as tf
+        from tensorflow.python.ops import resource_variable_ops
+
+        def initialize():
+            with tf.control_dependencies([slot.assign(tf.zeros(slot.shape),
+                                                      read_value=False)]):
+                return tf.constant(True)
+
+        return tf.cond(resource_variable_ops.var_is_initialized_op(slot.handle),
+                       lambda: tf.constant(False), initialize, name="ensure").op
+
+    def ensure_initialized(self, bucket=None) -> list:
+        """The ops that give the shard slots (of ``bucket``, else all) their zeros if they
+        have no value yet; each runs once per run, before anything else uses the slot."""
+        return [op for b, ops in enumerate(self._ensured) if bucket in (None, b)
+                for op in ops]
+
+    def drop_whole(self) -> list:
+        import tensorflow as tf
+        return [tf.raw_ops.DestroyResourceOp(resource=handle, ignore_lookup_error=True)
+                for handle in self.whole.values()]
+
+    def has_whole(self, i, position):
+        import tensorflow as tf
+        return tf.raw_ops.VarIsInitializedOp(resource=self.whole[i, position])
+
+    def read_whole(self, i, position):
+        import tensorflow as tf
+        return tf.raw_ops.ReadVariableOp(resource=self.whole[i, position], dtype=tf.float32)
+
+    def keep_whole(self, i, position, value):
+        import tensorflow as tf
+        return tf.raw_ops.AssignVariableOp(resource=self.whole[i, position],
+                                           value=tf.reshape(value, self.variables[i].shape))
+
+    def _gathered_slots(self, b):
+        """Every rank's shard of bucket ``b``'s slots, all-gathered: one flat whole per
+        slot (collective)."""
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+        with tf.control_dependencies(self.ensure_initialized(b)):
+            shards = [slot.read_value() for slot in self.slots[b]]
+        return hvd.grouped_allgather(shards, process_set=self.process_set)
+
+    def _split(self, b, flat):
+        """Bucket ``b``'s flat whole vector, as its members' values."""
+        import tensorflow as tf
+        layout = self.layouts[b]
+        return dict(zip(layout.members, tf.split(flat[:layout.total], list(layout.counts))))
+
+    def _build_consolidate(self):
+        import tensorflow as tf
+        keeps = []
+        with tf.compat.v1.get_default_graph().name_scope("consolidate"):
+            for b, bucket in enumerate(self.slots):
+                if not bucket:
+                    continue
+                for position, flat in enumerate(self._gathered_slots(b)):
+                    for i, value in self._split(b, flat).items():
+                        keeps.append(self.keep_whole(i, position, value))
+            return tf.group(*keeps, name="consolidate")
+
+    def _build_broadcast(self):
+        """Horovod's broadcast of the variables from rank 0, for their slots: rank 0's
+        whole slots where it has them (a restore on rank 0 alone), else the ranks' shards
+        all-gathered (the state every rank shares). Every rank then holds its shard of
+        that, and the whole. Collective: run with the broadcast of the variables."""
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+        keys = sorted(self.whole)
+        with tf.compat.v1.get_default_graph().name_scope("broadcast"):
+            has = tf.stack([tf.cast(self.has_whole(*key), tf.float32) for key in keys])
+            own = [tf.cond(self.has_whole(*key), lambda key=key: self.read_whole(*key),
+                           lambda key=key: tf.zeros(self.variables[key[0]].shape))
+                   for key in keys]
+            has = hvd.broadcast(has, 0, process_set=self.process_set)
+            rooted = hvd.broadcast(tf.concat([tf.reshape(t, [-1]) for t in own], 0), 0,
+                                   process_set=self.process_set)
+            rooted = dict(zip(keys, tf.split(rooted, [self.variables[i].shape.num_elements()
+                                                      for i, _ in keys])))
+            updates = []
+            for b, bucket in enumerate(self.slots):
+                if not bucket:
+                    continue
+                for position, flat in enumerate(self._gathered_slots(b)):
+                    gathered = self._split(b, flat)
+                    wholes = []
+                    for i in self.layouts[b].members:
+                        key = (i, position)
+                        whole = tf.where(has[keys.index(key)] > 0, rooted[key],
+                                         tf.reshape(gathered[i], [-1]))
+                        wholes.append(whole)
+                        updates.append(self.keep_whole(i, position, whole))
+                    layout = self.layouts[b]
+                    mine = _padded(wholes, self.process_set.size() * layout.shard)[
+                        self.rank * layout.shard:(self.rank + 1) * layout.shard]
+                    with tf.control_dependencies(self.ensure_initialized(b)):
+                        updates.append(bucket[position].assign(mine, read_value=False))
+            return tf.group(*updates, name="broadcast")
+
+
+def _whole_slot(state: ShardedState, bucket: int, pair: int, position: int, name: str):
+    """A checkpoint's view of one variable's slot, whole, under its plain ``name``: saved
+    from the whole buffer (zeros before any step; refused where this rank has only its
+    shard), restored into the whole buffer and this rank's part of the shard."""
+    import tensorflow as tf
+    from tensorflow.python.ops import resource_variable_ops
+    from tensorflow.python.training.saving import saveable_object
+    shape = state.variables[pair].shape
+    slot = state.slots[bucket][position]
+
+    def refused():
+        with tf.control_dependencies([tf.debugging.Assert(
+                state.has_whole(pair, position), [CONSOLIDATE_FIRST])]):
+            return tf.zeros(shape)
+
+    def never_stepped():
+        return tf.cond(resource_variable_ops.var_is_initialized_op(slot.handle),
+                       refused, lambda: tf.zeros(shape))
+
+    def restore(restored_tensors, restored_shapes):
+        layout = state.layouts[bucket]
+        whole = tf.reshape(restored_tensors[0], shape)
+        ops = [state.keep_whole(pair, position, whole)]
+        offset = sum(layout.counts[:layout.members.index(pair)])
+        flat = tf.reshape(whole, [-1])
+        for member, first, end in layout.owned(state.rank):
+            if layout.members[member] != pair:
+                continue
+            at = offset + first - state.rank * layout.shard
+            with tf.control_dependencies(state.ensure_initialized(bucket)):
+                ops.append(slot[at:at + end - first].assign(flat[first:end]).op)
+        return tf.group(*ops)
+
+    value = tf.cond(state.has_whole(pair, position),
+                    lambda: state.read_whole(pair, position), never_stepped)
+    saveable = saveable_object.SaveableObject(
+        value, [saveable_object.SaveSpec(value, "", name)], name)
+    saveable.restore = restore
+    return saveable
+
+
+def consolidate_optimizer_state(session) -> bool:
+    """Gathers the whole optimizer state of every decoupled optimizer of ``session``'s
+    graph on every rank (collective: every rank calls it, after the same train runs), so
+    that a Saver run on one rank (rank 0, as Horovod programs do) writes it whole. Each
+    rank keeps the whole state until its next train run. Returns False where nothing is
+    decoupled (nothing to do). A save needs it only after a train run: a checkpoint
+    restored, or broadcast from rank 0, is held whole already."""
+    consolidations = _consolidations.get(session.graph, [])
+    if consolidations:
+        session.run(consolidations)
+    return bool(consolidations)
+
+
+def _pending_apply(token, gathered, arrived, layouts, variables):
     """The op that assigns a chunk's gathered parameters to its variables, if an update is
-    pending (its token is queued), else does nothing."""
+    pending, else does nothing (:func:`~tfoverlap.horovod.deferred.staged_apply`)."""
     import tensorflow as tf
 
-    def apply_pending():
-        assigns = [token.dequeue()]
-        for queue, layout in zip(gathered, layouts):
-            whole = queue.dequeue()
+    def update(_, wholes):
+        assigns = []
+        for whole, layout in zip(wholes, layouts):
             values = tf.split(whole[:layout.total], list(layout.counts))
             for i, value in zip(layout.members, values):
                 assigns.append(variables[i].assign(
                     tf.reshape(value, variables[i].shape), read_value=False))
-        with tf.control_dependencies(assigns):
-            return tf.constant(True)
+        return assigns
 
-    return tf.cond(token.size() > 0, apply_pending, lambda: tf.constant(False),
-                   name="apply").op
+    return staged_apply(token, gathered, arrived, update)
 
 
 def decoupling_summary(graph) -> dict:
