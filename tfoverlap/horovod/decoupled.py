@@ -353,6 +353,7 @@ class ShardedState:
         import horovod.tensorflow as hvd
         import tensorflow as tf
         keys = sorted(self.whole)
+        index_of = {key: index for index, key in enumerate(keys)}
         with tf.compat.v1.get_default_graph().name_scope("broadcast"):
             has = tf.stack([tf.cast(self.has_whole(*key), tf.float32) for key in keys])
             own = [tf.cond(self.has_whole(*key), lambda key=key: self.read_whole(*key),
@@ -372,7 +373,7 @@ class ShardedState:
                     wholes = []
                     for i in self.layouts[b].members:
                         key = (i, position)
-                        whole = tf.where(has[keys.index(key)] > 0, rooted[key],
+                        whole = tf.where(has[index_of[key]] > 0, rooted[key],
                                          tf.reshape(gathered[i], [-1]))
                         wholes.append(whole)
                         updates.append(self.keep_whole(i, position, whole))
