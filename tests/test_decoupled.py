@@ -203,7 +203,7 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
             slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
             assert decoupled["optimizer_bytes"] <= (plain["optimizer_bytes"] / 4
                                                     + 3 * 4 * buckets * slots)
-        for run in CHECKPOINTED:          # a quarter of each slot per rank, restored
+        for run in [*CHECKPOINTED, "convnet/adam/object"]:   # a quarter of a slot a rank
             saved = whole["checkpoints"][run]
             for continued in _CONTINUED:
                 np.testing.assert_allclose(saved[continued][1]["losses"],
@@ -237,6 +237,27 @@ def test_checkpoints_hold_the_whole_optimizer_state_under_its_plain_names(record
             slots = [name for name, _ in names if name.rsplit("/", 1)[-1] in
                      ("Momentum", "Adam", "Adam_1")]
             assert slots and not any("tfoverlap" in name for name, _ in names)
+
+
+def test_object_based_checkpoints_hold_the_whole_optimizer_state_too(records):
+    """``tf.train.Checkpoint(optimizer=..., w0=...)``: the optimizer's slots for each
+    decoupled variable are saved whole, under the keys plain Horovod's checkpoint has, and
+    every value of the checkpoint is restored (``assert_consumed``), into plain Horovod or
+    decoupled, before the train op exists or after: training goes on as plain Horovod
+    trained straight through, bit for bit."""
+    for rank, record in enumerate(record["checkpoints"]["convnet/adam/object"]
+                                  for record in records):
+        straight = record["straight"]
+        for continued in _CONTINUED:
+            first, then = record[continued]
+            half = len(first["losses"])
+            assert half > 0 and first["losses"] == straight["losses"][:half], continued
+            assert then["losses"] == straight["losses"][half:], (rank, continued)
+            assert then["final"] == straight["final"], (rank, continued)
+        if rank == 0:
+            names = record["plain_then_decoupled"][0]["saved"]
+            assert record["decoupled_then_plain"][0]["saved"] == names
+            assert sum(".OPTIMIZER_SLOT/optimizer/" in name for name, _ in names) == 2 * 6
 
 
 @pytest.mark.parametrize("run", CHECKPOINTED)

@@ -38,6 +38,8 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 CLIPPED = (("chain", "momentum"),)
 #: Runs saved and restored half way (tests/test_decoupled.py's checkpoint tests).
 CHECKPOINTED = (("chain", "momentum"), ("convnet", "adam"))
+#: ... and through object-based checkpoints (tf.train.Checkpoint of the optimizer).
+OBJECT_CHECKPOINTED = (("convnet", "adam"),)
 CHECKPOINT_STEPS = 10
 
 hvd.init()
@@ -75,9 +77,11 @@ def optimizer_of(name, step):
     return tf.compat.v1.train.AdamOptimizer(0.003)
 
 
-def build(model, optimizer_name, variant, clip=False):
+def build(model, optimizer_name, variant, clip=False, restore_early=None):
     """The training graph of ``model`` with ``optimizer_name``, plain Horovod's or through
-    tfoverlap.horovod as ``variant`` configures it."""
+    tfoverlap.horovod as ``variant`` configures it, and an object-based checkpoint of its
+    weights, step and optimizer: ``restore_early`` (a path) is read into it before the
+    train op exists (the slots' restores wait for their variables)."""
     if variant == "decoupled":
         tfo_hvd.configure(decouple=True, cross_step=False, **OPTIONS)
         distributed = tfo_hvd
@@ -95,7 +99,12 @@ def build(model, optimizer_name, variant, clip=False):
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             y, MODELS[model](x)))
         weights = tf.compat.v1.trainable_variables()
-        optimizer = distributed.DistributedOptimizer(optimizer_of(optimizer_name, step))
+        inner = optimizer_of(optimizer_name, step)
+        optimizer = distributed.DistributedOptimizer(inner)
+        checkpoint = tf.compat.v1.train.Checkpoint(
+            optimizer=inner, step=step, **{f"w{index}": w for index, w in enumerate(weights)})
+        checkpoint.save_counter.initializer     # created now: written and initialized too
+        restoring = None if restore_early is None else checkpoint.restore(restore_early)
         if clip:
             pairs = optimizer.compute_gradients(loss)
             clipped, _ = tf.clip_by_global_norm([g for g, _ in pairs], 0.5)
@@ -110,7 +119,8 @@ def build(model, optimizer_name, variant, clip=False):
         state = optimizer.variables()
     tfo_hvd.configure()
     return dict(graph=graph, x=x, y=y, loss=loss, weights=weights, train=train_op,
-                init=init, broadcast=broadcast, state=state)
+                init=init, broadcast=broadcast, state=state, checkpoint=checkpoint,
+                restoring=restoring)
 
 
 def train(model, optimizer_name, variant, inputs, labels, validation, clip=False):
@@ -153,15 +163,22 @@ def barrier():
 
 
 def segment(model, optimizer_name, variant, inputs, labels, first, steps, restore=None,
-            restore_on="every rank", save=None, consolidate=True):
+            restore_on="every rank", save=None, consolidate=True, saver="Saver"):
     """Trains steps ``first`` to ``first + steps``: from ``restore`` (a checkpoint, read on
     every rank, or on rank 0 alone and broadcast) or the common initial weights; rank 0
     alone saves to ``save`` at the end (after every rank consolidated, if asked).
-    Returns the losses, the final weights and what the save raised."""
-    built = build(model, optimizer_name, variant)
+    ``saver``: "Saver", or "Checkpoint" (object-based), which restores before the train
+    op exists ("Checkpoint early") or after. Returns the losses, the final weights and
+    what the save raised."""
+    restores = restore is not None and (restore_on == "every rank" or RANK == 0)
+    early = restore if restores and saver == "Checkpoint early" else None
+    built = build(model, optimizer_name, variant, restore_early=early)
     graph, x, y, loss, weights = (built[k] for k in ("graph", "x", "y", "loss", "weights"))
     with graph.as_default():
-        saver = tf.compat.v1.train.Saver()
+        if saver == "Saver":
+            saver = tf.compat.v1.train.Saver()
+        else:
+            saver = ObjectSaver(built["checkpoint"], built["restoring"])
     record = {}
     with tf.compat.v1.Session(graph=graph) as session:
         session.run(built["init"])
@@ -169,7 +186,7 @@ def segment(model, optimizer_name, variant, inputs, labels, first, steps, restor
             initial = np.random.default_rng(7)
             for weight in weights:
                 weight.load(initial.normal(0, 0.1, weight.shape).astype(np.float32), session)
-        elif restore_on == "every rank" or RANK == 0:
+        elif restores:
             saver.restore(session, restore)
         session.run(built["broadcast"])
         record["losses"] = [float(session.run([loss, built["train"]],
@@ -190,6 +207,22 @@ def segment(model, optimizer_name, variant, inputs, labels, first, steps, restor
         barrier()
         record["saved"] = sorted(map(list, tf.train.list_variables(save)))
     return record
+
+
+class ObjectSaver:
+    """A Saver's save and restore, through an object-based checkpoint (restored early
+    where ``restoring``, the status of a restore, is given)."""
+
+    def __init__(self, checkpoint, restoring=None):
+        self.checkpoint, self.restoring = checkpoint, restoring
+
+    def restore(self, session, path):
+        status = self.restoring or self.checkpoint.restore(path)
+        status.assert_consumed().run_restore_ops(session)
+
+    def save(self, session, path):
+        written = self.checkpoint.write(path, session=session)
+        assert written == path, written
 
 
 def checkpoints(directory, inputs, labels) -> dict:
@@ -215,6 +248,24 @@ def checkpoints(directory, inputs, labels) -> dict:
         entry["decoupled_then_decoupled"] = [entry["decoupled_then_plain"][0], segment(
             model, name, "decoupled", inputs, labels, half, half, restore=path + "-decoupled")]
         runs[f"{model}/{name}"] = entry
+    for model, name in OBJECT_CHECKPOINTED:
+        path = os.path.join(directory, f"{model}-{name}-object")
+        straight = runs[f"{model}/{name}"]["straight"]
+        decoupled = segment(model, name, "decoupled", inputs, labels, 0, half,
+                            save=path + "-decoupled", saver="Checkpoint")
+        plain = segment(model, name, "horovod", inputs, labels, 0, half,
+                        save=path + "-plain", saver="Checkpoint")
+        runs[f"{model}/{name}/object"] = {
+            "straight": straight,
+            "decoupled_then_plain": [decoupled, segment(
+                model, name, "horovod", inputs, labels, half, half,
+                restore=path + "-decoupled", saver="Checkpoint early")],
+            "plain_then_decoupled": [plain, segment(
+                model, name, "decoupled", inputs, labels, half, half, restore=path + "-plain",
+                restore_on="rank 0", saver="Checkpoint early")],
+            "decoupled_then_decoupled": [decoupled, segment(
+                model, name, "decoupled", inputs, labels, half, half,
+                restore=path + "-decoupled", saver="Checkpoint")]}
     return runs
 
 

@@ -23,7 +23,8 @@ bytes move under the backward pass and half under the next forward pass, and opt
 memory falls by the number of ranks.
 
 **Checkpoints and broadcasts** see whole slots under their plain names
-(:class:`ShardedState`): a checkpoint written with decoupling restores without it and
+(:class:`ShardedState` for a Saver; the optimizer's ``get_slot`` for an object-based
+``tf.train.Checkpoint``): a checkpoint written with decoupling restores without it and
 the other way round. Restoring needs no collective; a restore on rank 0 alone reaches the
 other ranks' shards through Horovod's broadcast from rank 0, which carries the slots
 along. Writing the state on one rank needs the others' shards: every rank first runs
@@ -34,12 +35,12 @@ Decoupled: ``GradientDescentOptimizer``, ``MomentumOptimizer`` and ``AdamOptimiz
 float32 resource variables, dense gradients and no compression, where the gradient given
 to apply_gradients is the reduced gradient alone. Anything else trains without it
 (cross-step overlap where configured, else the in-step plan), with one line saying why.
-Not yet: object-based checkpoints (``tf.train.Checkpoint``) of the sharded state, Keras
-and ``tf.function`` steps.
+Not yet: Keras and ``tf.function`` steps.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import weakref
@@ -56,6 +57,7 @@ __all__ = ["decoupling_refused", "decouple_updates", "decoupling_summary",
 
 DECOUPLABLE_OPTIMIZERS = DEFERRABLE_OPTIMIZERS
 _consolidations = weakref.WeakKeyDictionary()      # graph -> consolidate ops
+_exposed = weakref.WeakKeyDictionary()   # optimizer -> (slot key, slot name) -> WholeSlot
 
 
 def decoupling_refused(optimizer, variables, reduced, compression) -> str:
@@ -206,6 +208,8 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
     with tf.control_dependencies(None), graph.name_scope(name + "/state/"):
         state = ShardedState(optimizer, variables, layouts, shard_variables, rank,
                              process_set)
+    with tf.compat.v1.init_scope():         # as the slots' restores are built without it
+        _expose_whole_slots(optimizer, state.whole_slots)
     with graph.name_scope(name + "/step/"):
         with tf.control_dependencies(loads + state.ensure_initialized()):
             update = apply_in_step(list(zip(shard_gradients, shard_variables)))
@@ -273,13 +277,18 @@ class ShardedState:
                         shared_name=graph.unique_name(name, mark_as_used=False))
         self.consolidate = self._build_consolidate()
         self.broadcast = self._build_broadcast() if names else None
+        self._saved = {}            # (pair index, slot position) -> the value saved
+        self.whole_slots = []       # (variable, slot name, its WholeSlot)
         for b, layout in enumerate(layouts):
             for i in layout.members:
                 for position, shard_slot in enumerate(self.slots[b]):
-                    suffix = shard_slot.op.name[len(shard_variables[b].op.name) + 1:]
-                    tf.compat.v1.add_to_collection(
-                        tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS,
-                        _whole_slot(self, b, i, position, f"{variables[i].op.name}/{suffix}"))
+                    name = (f"{variables[i].op.name}/"
+                            f"{shard_slot.op.name[len(shard_variables[b].op.name) + 1:]}")
+                    self._saved[i, position] = self._guarded(b, i, position)
+                    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS,
+                                                   _whole_slot(self, b, i, position, name))
+                    self.whole_slots.append((variables[i], names[position],
+                                             _whole_slot_class()(self, b, i, position, name)))
 
     @staticmethod
     def _ensure(slot):
@@ -317,6 +326,46 @@ class ShardedState:
         import tensorflow as tf
         return tf.raw_ops.AssignVariableOp(resource=self.whole[i, position],
                                            value=tf.reshape(value, self.variables[i].shape))
+
+    def _guarded(self, b, i, position):
+        """Pair ``i``'s whole slot at ``position``: the whole buffer, zeros before the
+        first step, refused (CONSOLIDATE_FIRST) where this rank holds only its shard."""
+        import tensorflow as tf
+        from tensorflow.python.ops import resource_variable_ops
+        shape, slot = self.variables[i].shape, self.slots[b][position]
+
+        def refused():
+            with tf.control_dependencies([tf.debugging.Assert(
+                    self.has_whole(i, position), [CONSOLIDATE_FIRST])]):
+                return tf.zeros(shape)
+
+        def never_stepped():
+            return tf.cond(resource_variable_ops.var_is_initialized_op(slot.handle),
+                           refused, lambda: tf.zeros(shape))
+
+        return tf.cond(self.has_whole(i, position), lambda: self.read_whole(i, position),
+                       never_stepped)
+
+    def saved_value(self, i, position):
+        """What a checkpoint writes of pair ``i``'s slot at ``position``."""
+        return self._saved[i, position]
+
+    def restore_whole(self, b, i, position, restored):
+        """The op that restores pair ``i``'s whole slot at ``position`` from ``restored``:
+        into the whole buffer, and this rank's part into its shard (no collective)."""
+        import tensorflow as tf
+        layout, slot = self.layouts[b], self.slots[b][position]
+        whole = tf.reshape(restored, self.variables[i].shape)
+        ops = [self.keep_whole(i, position, whole)]
+        offset = sum(layout.counts[:layout.members.index(i)])
+        flat = tf.reshape(whole, [-1])
+        for member, first, end in layout.owned(self.rank):
+            if layout.members[member] != i:
+                continue
+            at = offset + first - self.rank * layout.shard
+            with tf.control_dependencies(self.ensure_initialized(b)):
+                ops.append(slot[at:at + end - first].assign(flat[first:end]).op)
+        return tf.group(*ops)
 
     def _gathered_slots(self, b):
         """Every rank's shard of bucket ``b``'s slots, all-gathered: one flat whole per
@@ -386,44 +435,73 @@ class ShardedState:
 
 
 def _whole_slot(state: ShardedState, bucket: int, pair: int, position: int, name: str):
-    """A checkpoint's view of one variable's slot, whole, under its plain ``name``: saved
-    from the whole buffer (zeros before any step; refused where this rank has only its
-    shard), restored into the whole buffer and this rank's part of the shard."""
-    import tensorflow as tf
-    from tensorflow.python.ops import resource_variable_ops
+    """A Saver's view of one variable's slot, whole, under its plain ``name``."""
     from tensorflow.python.training.saving import saveable_object
-    shape = state.variables[pair].shape
-    slot = state.slots[bucket][position]
-
-    def refused():
-        with tf.control_dependencies([tf.debugging.Assert(
-                state.has_whole(pair, position), [CONSOLIDATE_FIRST])]):
-            return tf.zeros(shape)
-
-    def never_stepped():
-        return tf.cond(resource_variable_ops.var_is_initialized_op(slot.handle),
-                       refused, lambda: tf.zeros(shape))
-
-    def restore(restored_tensors, restored_shapes):
-        layout = state.layouts[bucket]
-        whole = tf.reshape(restored_tensors[0], shape)
-        ops = [state.keep_whole(pair, position, whole)]
-        offset = sum(layout.counts[:layout.members.index(pair)])
-        flat = tf.reshape(whole, [-1])
-        for member, first, end in layout.owned(state.rank):
-            if layout.members[member] != pair:
-                continue
-            at = offset + first - state.rank * layout.shard
-            with tf.control_dependencies(state.ensure_initialized(bucket)):
-                ops.append(slot[at:at + end - first].assign(flat[first:end]).op)
-        return tf.group(*ops)
-
-    value = tf.cond(state.has_whole(pair, position),
-                    lambda: state.read_whole(pair, position), never_stepped)
+    value = state.saved_value(pair, position)
     saveable = saveable_object.SaveableObject(
         value, [saveable_object.SaveSpec(value, "", name)], name)
-    saveable.restore = restore
+    saveable.restore = lambda tensors, shapes: state.restore_whole(bucket, pair, position,
+                                                                  tensors[0])
     return saveable
+
+
+@functools.cache
+def _whole_slot_class():
+    from tensorflow.python.trackable import base as trackable
+
+    class WholeSlot(trackable.Trackable):
+        """An object-based checkpoint's (``tf.train.Checkpoint``) view of one variable's
+        slot, whole: what the optimizer's ``get_slot`` gives for a decoupled variable, saved
+        and restored as :class:`ShardedState`'s Saver view is."""
+
+        def __init__(self, state, bucket, pair, position, name):
+            self._state, self._at = state, (bucket, pair, position)
+            self.name = name + ":0"
+            self.shape, self.dtype = state.variables[pair].shape, state.variables[pair].dtype
+
+        def _serialize_to_tensors(self):
+            return {trackable.VARIABLE_VALUE_KEY: self._state.saved_value(*self._at[1:])}
+
+        def _restore_from_tensors(self, restored_tensors):
+            return self._state.restore_whole(
+                *self._at, restored_tensors[trackable.VARIABLE_VALUE_KEY])
+
+    return WholeSlot
+
+
+def _slot_key(variable):
+    """The optimizer's key for ``variable``'s slots (None for what is not a graph
+    variable: object-based checkpoints ask for the slots of every object they hold)."""
+    op = getattr(variable, "op", None)
+    return None if op is None else (op.graph, op.name)
+
+
+def _expose_whole_slots(optimizer, whole_slots) -> None:
+    """Makes ``optimizer.get_slot(variable, name)`` give a decoupled variable's whole slot
+    (``whole_slots``: (variable, slot name, WholeSlot)), which is what object-based
+    checkpoints save and restore, and restores into it what a checkpoint read before the
+    step was built left pending."""
+    exposed = _exposed.get(optimizer)
+    if exposed is None:
+        exposed = _exposed[optimizer] = {}
+        get_slot = optimizer.get_slot
+        create_or_restore = optimizer._create_or_restore_slot_variable  # noqa: SLF001
+
+        def get_whole_slot(variable, name):
+            slot = get_slot(variable, name)
+            return exposed.get((_slot_key(variable), name)) if slot is None else slot
+
+        def restore_whole_slot(slot_variable_position, slot_name, variable):
+            whole = exposed.get((_slot_key(variable), slot_name))
+            if whole is None:
+                return create_or_restore(slot_variable_position, slot_name, variable)
+            return slot_variable_position.restore(whole)
+
+        optimizer.get_slot = get_whole_slot
+        optimizer._create_or_restore_slot_variable = restore_whole_slot  # noqa: SLF001
+    for variable, slot_name, whole in whole_slots:
+        exposed[_slot_key(variable), slot_name] = whole
+        optimizer._restore_slot_variable(slot_name, variable, whole)  # noqa: SLF001
 
 
 def consolidate_optimizer_state(session) -> bool:
