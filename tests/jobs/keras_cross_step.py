@@ -26,7 +26,7 @@ from keras_optimizers import optimizer_for  # noqa: E402 - this directory
 
 PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
             "schedule", "validation", "checkpoint", "embedding", "embedding_dense",
-            "one_step_per_call", "clipnorm", "auto")
+            "one_step_per_call", "clipnorm", "auto", "input_runs_out")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
 WIDTHS = [64, 64, 64, 64, 64, 10]
@@ -78,9 +78,9 @@ def _op_types(library, function_name, seen=None):
 
 def deferred_reductions(model):
     """In the traced train function, the conditional reductions of deferred chunks: how
-    many, whether they run one after another (one request each), and whether any waits
-    for an update of a variable (as it did when a chunk's reduction and update were one
-    conditional)."""
+    many, whether they run one after another (one request each), whether any waits for an
+    update of a variable (as it did when a chunk's reduction and update were one
+    conditional), and whether each waits for the step's input."""
     function = model.train_function.__wrapped__
     concrete = function._list_all_concrete_functions()[0]
     library = {f.signature.name: f for f in concrete.graph.as_graph_def().library.function}
@@ -90,7 +90,8 @@ def deferred_reductions(model):
                                                       and t.endswith("VariableOp"))
                    for t in types)
 
-    found = {"reductions": 0, "chained": True, "wait_for_updates": False}
+    found = {"reductions": 0, "chained": True, "wait_for_updates": False,
+             "after_input": True}
     for body in library.values():
         nodes = {node.name: node for node in body.node_def}
         contents = {name: _op_types(library, node.attr["then_branch"].func.name)
@@ -114,6 +115,8 @@ def deferred_reductions(model):
         for name in reductions:
             found["wait_for_updates"] |= any(
                 writes(contents[a]) for a in before[name] | {name} if a in contents)
+            found["after_input"] &= any(nodes[a].op.startswith("IteratorGetNext")
+                                        for a in before[name])
         found["reductions"] += len(reductions)
     return found
 
@@ -175,6 +178,14 @@ def _train(pattern, variant, distributed):
         model.optimizer.build(model.trainable_variables)
         tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(written)
         history = model.fit(inputs_for(pattern), LABELS, epochs=1, **fit)
+    elif pattern == "input_runs_out":
+        # A dataset shorter than the steps asked for: it runs out inside the third call,
+        # after 2 of its 4 steps, and Keras ends the training there.
+        dataset = tf.data.Dataset.from_tensor_slices((inputs_for(pattern), LABELS)).batch(
+            BATCH, drop_remainder=True)
+        fit.pop("batch_size")
+        history = model.fit(dataset, epochs=2, steps_per_epoch=STEPS + 2, **fit)
+        record["batches"] = STEPS
     else:
         history = model.fit(inputs_for(pattern), LABELS, epochs=2, **fit)
     record["history"] = {key: [float(v) for v in values]

@@ -15,7 +15,9 @@ runs N steps in one ``tf.function``:
   of a variable as they were written), so the reductions of the later chunks run under
   the forward pass of the layers before them.
 - After the call, a small ``tf.function`` (the drain) applies what the last step left
-  pending, on every rank alike. So between calls nothing is pending: every value user
+  pending, on every rank alike; also where the input ran out inside the call (a step
+  applies what is pending only once it has its input, so a step that found none leaves
+  the update whole). So between calls nothing is pending: every value user
   code sees is plain Horovod's, and each gradient is applied once.
 
 What to defer is planned by Caramel from a trace of the model's ``train_step`` (the same
@@ -239,6 +241,8 @@ def _batch_spec(value, batch):
 def _pipelined(model, train_step, own_step):
     """``train_step`` that first applies what the step before left pending (``own_step``:
     the train_step the program set on the model itself, if any)."""
+    import tensorflow as tf
+
     def step(data):
         deferral = _deferrals.get(model)
         if deferral is None:
@@ -246,7 +250,11 @@ def _pipelined(model, train_step, own_step):
             record(deferral.decision)
         if not deferral.chunks:
             return train_step(data)
-        _apply_pending(model.optimizer, deferral)
+        # Once the step has its data: where the input runs out the step does nothing, and
+        # the update stays whole for the drain (else it could be cut off part way).
+        with tf.control_dependencies([t for t in tf.nest.flatten(data, expand_composites=True)
+                                      if isinstance(t, tf.Tensor)]):
+            _apply_pending(model.optimizer, deferral)
         _active.append(deferral)
         try:
             return train_step(data)
@@ -257,17 +265,29 @@ def _pipelined(model, train_step, own_step):
 
 
 def _drained(model, train_function):
-    """``train_function`` followed by the drain of what its last step left pending."""
+    """``train_function`` followed by the drain of what its last step left pending, also
+    where the input ran out inside the call (Keras ends the epoch there; every rank runs
+    out at the same step, as Horovod needs)."""
+    import tensorflow as tf
+
     def call(*args, **kwargs):
-        outputs = train_function(*args, **kwargs)
-        deferral = _deferrals.get(model)
-        if deferral is not None and deferral.drain is not None:
-            started = time.perf_counter()
-            deferral.drain()
-            deferral.drain_seconds.append(time.perf_counter() - started)
+        try:
+            outputs = train_function(*args, **kwargs)
+        except tf.errors.OutOfRangeError:
+            _drain(model)
+            raise
+        _drain(model)
         return outputs
     call.__wrapped__ = train_function
     return call
+
+
+def _drain(model) -> None:
+    deferral = _deferrals.get(model)
+    if deferral is not None and deferral.drain is not None:
+        started = time.perf_counter()
+        deferral.drain()
+        deferral.drain_seconds.append(time.perf_counter() - started)
 
 
 def install() -> None:
