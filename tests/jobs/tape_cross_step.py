@@ -24,7 +24,7 @@ from job_logging import Warnings  # noqa: E402 - this directory
 from keras_optimizers import optimizer_for  # noqa: E402 - this directory
 
 PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_adam", "schedule", "iterator",
-            "between_calls", "checkpoint", "one_step_per_call", "clip_global_norm",
+            "input_runs_out", "between_calls", "checkpoint", "one_step_per_call", "clip_global_norm",
             "late_read", "auto")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
@@ -69,8 +69,12 @@ def train_function(pattern, model, optimizer, tape_wrapper):
             return tf.reshape(step(INPUTS[first], LABELS[first]), [1])
         return lambda first: tf.concat([one_step(first + i) for i in range(STEPS)], 0)
 
-    if pattern == "iterator":
-        batches = iter(tf.data.Dataset.from_tensor_slices((INPUTS, LABELS)).repeat())
+    if pattern in ("iterator", "input_runs_out"):
+        dataset = tf.data.Dataset.from_tensor_slices((INPUTS, LABELS))
+        # input_runs_out: 2 batches short; next() raises inside the last call, after 2
+        # of its steps.
+        batches = iter(dataset.repeat() if pattern == "iterator" else dataset.take(
+            STEPS * CALLS - 2))
 
         @tf.function
         def loop_over_iterator(first):
@@ -102,7 +106,11 @@ def train(pattern, variant):
     record = {"losses": [], "seen": []}
     function = train_function(pattern, model, optimizer, wrapper)
     for call in range(CALLS):
-        record["losses"].append(function(tf.constant(call * STEPS)).numpy().tolist())
+        try:
+            record["losses"].append(function(tf.constant(call * STEPS)).numpy().tolist())
+        except tf.errors.OutOfRangeError:       # input_runs_out: the program's end of data
+            record["losses"].append("out of range")
+            record["batches"] = STEPS * CALLS - 2
         record["seen"].append(weights_sum(model))    # what user code reads between calls
         if pattern == "between_calls" and RANK == 0:
             # Rank 0 alone evaluates between calls: no collective may start.

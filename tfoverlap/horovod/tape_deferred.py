@@ -18,7 +18,10 @@ does, and the pending state lives inside that call (:mod:`tfoverlap.horovod.pipe
   (they were traced first), so they are kept out of that ordering (:func:`_unordered`).
 - After the loop, in the same function, a drain applies what the last iteration left
   pending. When the call returns, nothing is pending: every value the program sees is
-  plain Horovod's, and each gradient is applied once.
+  plain Horovod's, and each gradient is applied once. Where a ``next(iterator)`` in the
+  loop runs out, the call fails before that drain: a step applies what is pending only
+  once it has its batch, and the function drains it before the error reaches the
+  program (:func:`_drain_on_error`).
 
 Anything else keeps Horovod's reduction in the step, with one line saying why: another use
 of a deferred gradient (clipping by global norm, a logged norm), an optimizer that is not
@@ -41,11 +44,15 @@ __all__ = ["attach", "install"]
 
 #: the ops that only read a variable: those of a deferred one may come before its update
 READ_OPS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"))
+#: the ops that take a batch from an iterator, and fail where it has run out
+INPUT_OPS = frozenset(("IteratorGetNext", "IteratorGetNextSync",
+                       "MultiDeviceIteratorGetNextFromShard"))
 
 _loops: list = []                            # the while loops being traced, innermost last
 _by_gradient: dict = {}                      # reduced gradient (ref) -> its _TapeDeferral
 _unordered_reads = weakref.WeakKeyDictionary()   # graph -> names of reads ACD leaves alone
 _plans: dict = {}                            # the variables' refs -> (chunks, decision)
+_drains_on_error = weakref.WeakKeyDictionary()   # function graph -> pending ref -> drain
 _recorded: dict = {}                         # the variables' refs -> the last decision kept
 _installed = False
 
@@ -195,6 +202,7 @@ def install() -> None:
     if _installed:
         return
     import tensorflow as tf
+    from tensorflow.python.eager.polymorphic_function import concrete_function
     from tensorflow.python.framework import auto_control_deps
     from tensorflow.python.ops import while_v2
     plain_while = while_v2.while_loop
@@ -210,9 +218,26 @@ def install() -> None:
             _forget(loop)
         if loop.deferrals:
             _drain(loop, outputs)
+            _drain_on_error(loop)
         return outputs
 
     while_v2.while_loop = while_loop
+    plain_call = concrete_function.ConcreteFunction._call_flat  # noqa: SLF001
+
+    @functools.wraps(plain_call)
+    def call_flat(self, *args, **kwargs):
+        drains = _drains_on_error.get(self._func_graph)  # noqa: SLF001
+        if not drains:
+            return plain_call(self, *args, **kwargs)
+        try:
+            return plain_call(self, *args, **kwargs)
+        except tf.errors.OutOfRangeError:
+            if tf.executing_eagerly():
+                for drain in drains.values():
+                    drain()
+            raise
+
+    concrete_function.ConcreteFunction._call_flat = call_flat  # noqa: SLF001
     auto_control_deps.register_acd_resource_resolver(_unordered)
     _installed = True
 
@@ -347,6 +372,7 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
     applied first (the step's reads of each deferred variable wait for its chunk), the
     deferred gradients stored, the others applied. Where it cannot defer, every pair is
     applied as given (Horovod's reductions), with one line saying why."""
+    import tensorflow as tf
     build_slots(optimizer, deferral.variables)
     reads: dict = {}
     refused = _refused(optimizer, deferral, pairs, reads)
@@ -360,7 +386,11 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
         return apply_kept(pairs)
     graph = deferral.body
     deferral.optimizer = optimizer
-    updates = apply_pending(optimizer, deferral, deferral.reduce)
+    # Once the step has its batch: where the iterator has run out, the step does nothing
+    # and the update stays whole for the drain (else it could be cut off part way).
+    with tf.control_dependencies([op for op in graph.get_operations()
+                                  if op.type in INPUT_OPS]):
+        updates = apply_pending(optimizer, deferral, deferral.reduce)
     unordered = _unordered_reads.setdefault(graph, set())
     for chunk, update in zip(deferral.chunks, updates):
         for index in chunk:
@@ -411,6 +441,24 @@ def _drain(loop: _Loop, outputs) -> None:
     with tf.control_dependencies(after):
         for deferral in loop.deferrals:
             apply_pending(deferral.optimizer, deferral, deferral.reduce)
+
+
+def _drain_on_error(loop: _Loop) -> None:
+    """Where a ``next(iterator)`` in the loop runs out, the call fails before the drain
+    after the loop: the function that holds the loop then drains what the last step left
+    pending (every rank runs out at the same step, as Horovod needs) before the error goes
+    on to the program."""
+    import tensorflow as tf
+    from tensorflow.python.framework.func_graph import FuncGraph
+    graph = loop.graph
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        graph = graph.outer_graph
+    drains = _drains_on_error.setdefault(graph, {})
+    for deferral in loop.deferrals:
+        if any(op.type in INPUT_OPS for op in deferral.body.get_operations()):
+            drains.setdefault(deferral.pending.ref(), tf.function(
+                functools.partial(apply_pending, deferral.optimizer, deferral,
+                                  deferral.reduce)))
 
 
 def _unordered(op, reads, writes) -> bool:
