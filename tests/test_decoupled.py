@@ -208,6 +208,13 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
             for continued in _CONTINUED:
                 np.testing.assert_allclose(saved[continued][1]["losses"],
                                            saved["straight"]["losses"][-5:], rtol=2e-6)
+        saved = whole["checkpoints"]["chain/momentum/monitored"]
+        continued = saved["continued"]["losses"]
+        np.testing.assert_allclose(continued, saved["straight"]["losses"][-len(continued):],
+                                   rtol=2e-6)
+        for name, values in saved["horovod"]["last"].items():
+            np.testing.assert_allclose(saved["decoupled"]["last"][name], values, rtol=0,
+                                       atol=1e-5, err_msg=name)
 
 
 CHECKPOINTED = ["chain/momentum", "convnet/adam"]
@@ -258,6 +265,34 @@ def test_object_based_checkpoints_hold_the_whole_optimizer_state_too(records):
             names = record["plain_then_decoupled"][0]["saved"]
             assert record["decoupled_then_plain"][0]["saved"] == names
             assert sum(".OPTIMIZER_SLOT/optimizer/" in name for name, _ in names) == 2 * 6
+
+
+def test_a_monitored_session_saving_on_rank_0_alone_writes_whole_checkpoints(records):
+    """Horovod's examples: a MonitoredTrainingSession on every rank, its CheckpointSaverHook
+    on rank 0 alone (every 6 of 20 steps, and at the end). With decouple, a save due after
+    a train run waits one step, for the background run to gather the state on every rank
+    (rank 0 asks through the first all-gather): steps 7, 14 and 20, where the last, due at
+    the last step, is made after the session's close gathered the state. Training is plain
+    Horovod's, bit for bit; the final checkpoint holds every value plain Horovod's does;
+    training on without decouple from one written in the middle is plain Horovod's
+    trained straight through."""
+    for rank, record in enumerate(r["checkpoints"]["chain/momentum/monitored"]
+                                  for r in records):
+        plain, decoupled, straight = record["horovod"], record["decoupled"], record["straight"]
+        assert "error" not in decoupled, decoupled
+        last = len(straight["losses"])
+        every, due, expected = (last + 1) // 3 - 1, 0, [0]      # as the job sets it
+        while due + every <= last:
+            due = min(due + every + 1, last)
+            expected.append(due)
+        expected += [last] * (expected[-1] != last)             # the final save
+        assert [int(path.rsplit("-", 1)[1]) for path in decoupled["saved"]] == expected
+        assert decoupled["losses"] == plain["losses"] == straight["losses"], rank
+        assert decoupled["last"] == plain["last"], rank
+        assert any(name.endswith("/Momentum") for name in decoupled["last"])
+        continued = record["continued"]["losses"]
+        assert continued == straight["losses"][-len(continued):], rank
+        assert record["continued"]["final"] == straight["final"], rank
 
 
 @pytest.mark.parametrize("run", CHECKPOINTED)

@@ -225,6 +225,40 @@ class ObjectSaver:
         assert written == path, written
 
 
+def monitored(model, optimizer_name, variant, inputs, labels, directory, last_step, every):
+    """Trains in a MonitoredTrainingSession whose CheckpointSaverHook runs on rank 0 alone
+    (every ``every`` steps, and at the end), as Horovod's examples do, from the common
+    initial weights. Returns the losses, the checkpoints written and every value of the
+    last one."""
+    built = build(model, optimizer_name, variant)
+    graph, x, y, loss, weights = (built[k] for k in ("graph", "x", "y", "loss", "weights"))
+
+    def load_initial(_, session):
+        initial = np.random.default_rng(7)
+        for weight in weights:
+            weight.load(initial.normal(0, 0.1, weight.shape).astype(np.float32), session)
+
+    losses = []
+    with graph.as_default():
+        hooks = [hvd.BroadcastGlobalVariablesHook(0),
+                 tf.compat.v1.train.StopAtStepHook(last_step=last_step)]
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                checkpoint_dir=directory if RANK == 0 else None, hooks=hooks,
+                scaffold=tf.compat.v1.train.Scaffold(init_fn=load_initial),
+                save_checkpoint_steps=every, save_checkpoint_secs=None,
+                save_summaries_steps=None, save_summaries_secs=None,
+                log_step_count_steps=None) as session:
+            while not session.should_stop():
+                index = len(losses)
+                losses.append(float(session.run([loss, built["train"]],
+                                                {x: inputs[index], y: labels[index]})[0]))
+    barrier()
+    saved = list(tf.train.get_checkpoint_state(directory).all_model_checkpoint_paths)
+    return {"losses": losses, "saved": saved,
+            "last": {name: tf.train.load_variable(saved[-1], name).ravel().tolist()
+                     for name, _ in tf.train.list_variables(saved[-1])}}
+
+
 def checkpoints(directory, inputs, labels) -> dict:
     """Plain Horovod trained 2 x HALF steps straight, against: decoupled for HALF steps,
     saved on rank 0, then plain Horovod from that checkpoint; plain, saved, then
@@ -248,6 +282,19 @@ def checkpoints(directory, inputs, labels) -> dict:
         entry["decoupled_then_decoupled"] = [entry["decoupled_then_plain"][0], segment(
             model, name, "decoupled", inputs, labels, half, half, restore=path + "-decoupled")]
         runs[f"{model}/{name}"] = entry
+    for model, name in CHECKPOINTED[:1]:
+        path = os.path.join(directory, f"{model}-{name}-monitored")
+        # Every 6 of 20 steps: the third save with decouple, postponed, falls on the last.
+        entry = {variant: monitored(model, name, variant, inputs, labels, f"{path}-{variant}",
+                                    2 * half, (2 * half + 1) // 3 - 1)
+                 for variant in ("horovod", "decoupled")}
+        middle = next(p for p in entry["decoupled"]["saved"]
+                      if 0 < int(p.rsplit("-", 1)[1]) < 2 * half)
+        step = int(middle.rsplit("-", 1)[1])
+        entry["continued"] = segment(model, name, "horovod", inputs, labels, step,
+                                     2 * half - step, restore=middle)
+        entry["straight"] = runs[f"{model}/{name}"]["straight"]
+        runs[f"{model}/{name}/monitored"] = entry
     for model, name in OBJECT_CHECKPOINTED:
         path = os.path.join(directory, f"{model}-{name}-object")
         straight = runs[f"{model}/{name}"]["straight"]

@@ -29,7 +29,8 @@ the other way round. Restoring needs no collective; a restore on rank 0 alone re
 other ranks' shards through Horovod's broadcast from rank 0, which carries the slots
 along. Writing the state on one rank needs the others' shards: every rank first runs
 :func:`consolidate_optimizer_state` (as ZeRO's and PyTorch's sharded optimizers ask), and
-a save without it is refused with that remedy named.
+a save without it is refused with that remedy named. A ``MonitoredTrainingSession``
+whose checkpoint hook runs on rank 0 alone needs nothing: :func:`_install_session_saves`.
 
 Decoupled: ``GradientDescentOptimizer``, ``MomentumOptimizer`` and ``AdamOptimizer`` with
 float32 resource variables, dense gradients and no compression, where the gradient given
@@ -56,7 +57,7 @@ __all__ = ["decoupling_refused", "decouple_updates", "decoupling_summary",
            "ShardedState"]
 
 DECOUPLABLE_OPTIMIZERS = DEFERRABLE_OPTIMIZERS
-_consolidations = weakref.WeakKeyDictionary()      # graph -> consolidate ops
+_states = weakref.WeakKeyDictionary()    # graph -> its ShardedStates
 _exposed = weakref.WeakKeyDictionary()   # optimizer -> (slot key, slot name) -> WholeSlot
 
 
@@ -161,13 +162,22 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
                     for chunk, shapes in zip(gathers, gathered_shapes)]
         tokens = [StagingArea([tf.bool], [[]], capacity=1) for _ in gathers]
         arrived = [arrival_queue(f"arrived{number}") for number in range(len(gathers))]
+        # This rank's request for the whole optimizer state (a save on it alone: rank 0's
+        # counts); it rides on the first all-gather, and every rank consolidates alike.
+        wanted = tf.queue.FIFOQueue(1, [tf.bool], [[]], name="save_wanted")
         guard_of, applies, puts, chained = {}, [], [], []
         for number, chunk in enumerate(gathers):
             with graph.name_scope(f"gather{number}"):
                 with tf.control_dependencies(chained):       # first layers first
                     shards = [stored[b].dequeue() for b in chunk]
-                whole = hvd.grouped_allgather(shards, process_set=process_set)
-                puts.append(stage_results(gathered[number], arrived[number], whole))
+                flag = [tf.reshape(tf.cast(wanted.size(), tf.float32), [1])] * (number == 0)
+                whole = hvd.grouped_allgather(shards + flag, process_set=process_set)
+                if number == 0:          # staged once the state is consolidated, if wanted
+                    whole, consolidating = whole[:-1], whole[-1][0] > 0
+                    first_whole = whole
+                    puts.append(None)
+                else:
+                    puts.append(stage_results(gathered[number], arrived[number], whole))
                 chained = whole
                 applies.append(_pending_apply(tokens[number], gathered[number],
                                               arrived[number], [layouts[b] for b in chunk],
@@ -175,7 +185,6 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
                 for b in chunk:
                     for i in layouts[b].members:
                         guard_of[variables[i].handle.name] = applies[-1]
-        background = tf.group(*puts, name="gather")
         close = tf.group(*[queue.close(cancel_pending_enqueues=True)
                            for queue in stored + arrived], name="close")
     own = frozenset(op.name for op in graph.get_operations()[first_op:])
@@ -207,7 +216,13 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
         optimizer._create_slots(shard_variables)  # noqa: SLF001
     with tf.control_dependencies(None), graph.name_scope(name + "/state/"):
         state = ShardedState(optimizer, variables, layouts, shard_variables, rank,
-                             process_set)
+                             process_set, wanted)
+    with tf.control_dependencies(None), graph.name_scope(name + "/"):
+        with graph.name_scope("gather0"):
+            with tf.control_dependencies([tf.cond(consolidating, state.consolidate_for_save,
+                                                  lambda: tf.constant(False))]):
+                puts[0] = stage_results(gathered[0], arrived[0], first_whole)
+        background = tf.group(*puts, name="gather")
     with tf.compat.v1.init_scope():         # as the slots' restores are built without it
         _expose_whole_slots(optimizer, state.whole_slots)
     with graph.name_scope(name + "/step/"):
@@ -229,7 +244,8 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
                       {variable.handle.name: state.broadcast for variable in variables})
     register_pending(graph, name, [mark.name for mark in marks], background, close,
                      guard_of, own=own, summary=summary, broadcast_with=broadcast_with)
-    _consolidations.setdefault(graph, []).append(state.consolidate)
+    _states.setdefault(graph, []).append(state)
+    _install_session_saves()
     logger.info("tfoverlap: decouple: %d gradients reduce-scattered in %d buckets, "
                 "all-gathered under the next forward pass in %d requests", len(pairs),
                 len(buckets), len(gathers))
@@ -251,12 +267,18 @@ class ShardedState:
     broadcast sees instead is each variable's whole slot under the name the optimizer
     would have given it without decoupling (``dense/kernel/Momentum``), kept in a *whole*
     buffer per variable and slot wherever this rank has it: after a restore, a
-    consolidation or a broadcast, until the next train run changes the shards."""
+    consolidation or a broadcast, until the next train run changes the shards.
 
-    def __init__(self, optimizer, variables, layouts, shard_variables, rank, process_set):
+    ``wanted``: the queue that holds this rank's request for a consolidation (``request``
+    puts one in; the background run after the next train run consolidates on every rank
+    where rank 0 asked). ``savable``: whether a checkpoint can be written now."""
+
+    def __init__(self, optimizer, variables, layouts, shard_variables, rank, process_set,
+                 wanted):
         import tensorflow as tf
+        from tensorflow.python.ops import resource_variable_ops
         self.variables, self.layouts, self.rank = variables, layouts, rank
-        self.process_set = process_set
+        self.process_set, self._wanted = process_set, wanted
         names = sorted(optimizer.get_slot_names())
         # Every decouplable optimizer starts its slots at zero.
         self.slots = [[optimizer.get_slot(shard, slot) for slot in names]
@@ -275,8 +297,19 @@ class ShardedState:
                     self.whole[i, position] = tf.raw_ops.VarHandleOp(
                         dtype=tf.float32, shape=variables[i].shape, name=name,
                         shared_name=graph.unique_name(name, mark_as_used=False))
-        self.consolidate = self._build_consolidate()
+        with graph.name_scope("consolidate"):
+            self.consolidate = tf.group(*self._consolidation(), name="consolidate")
         self.broadcast = self._build_broadcast() if names else None
+        self.request = tf.cond(wanted.size() > 0, lambda: tf.constant(False),
+                               lambda: _after(wanted.enqueue(True)), name="request")
+        # Saved as it is: the whole slot where this rank holds it, else the zeros of a
+        # slot never stepped.
+        self.savable = tf.reduce_all(tf.stack(
+            [tf.constant(True)] + [self.has_whole(i, position) | tf.logical_not(
+                resource_variable_ops.var_is_initialized_op(
+                    self.slots[b][position].handle))
+                for b, layout in enumerate(layouts) for i in layout.members
+                for position in range(len(names))]), name="savable")
         self._saved = {}            # (pair index, slot position) -> the value saved
         self.whole_slots = []       # (variable, slot name, its WholeSlot)
         for b, layout in enumerate(layouts):
@@ -382,17 +415,24 @@ class ShardedState:
         layout = self.layouts[b]
         return dict(zip(layout.members, tf.split(flat[:layout.total], list(layout.counts))))
 
-    def _build_consolidate(self):
-        import tensorflow as tf
+    def _consolidation(self) -> list:
+        """The ops that all-gather every slot shard into the whole buffers (collective)."""
         keeps = []
-        with tf.compat.v1.get_default_graph().name_scope("consolidate"):
-            for b, bucket in enumerate(self.slots):
-                if not bucket:
-                    continue
-                for position, flat in enumerate(self._gathered_slots(b)):
-                    for i, value in self._split(b, flat).items():
-                        keeps.append(self.keep_whole(i, position, value))
-            return tf.group(*keeps, name="consolidate")
+        for b, bucket in enumerate(self.slots):
+            if not bucket:
+                continue
+            for position, flat in enumerate(self._gathered_slots(b)):
+                for i, value in self._split(b, flat).items():
+                    keeps.append(self.keep_whole(i, position, value))
+        return keeps
+
+    def consolidate_for_save(self):
+        """A consolidation that rank 0 asked for, then this rank's request (if any) taken
+        off: a conditional branch of the background run."""
+        import tensorflow as tf
+        with tf.control_dependencies(self._consolidation()):
+            return tf.cond(self._wanted.size() > 0, lambda: _after(self._wanted.dequeue()),
+                           lambda: tf.constant(True))
 
     def _build_broadcast(self):
         """Horovod's broadcast of the variables from rank 0, for their slots: rank 0's
@@ -432,6 +472,13 @@ class ShardedState:
                     with tf.control_dependencies(self.ensure_initialized(b)):
                         updates.append(bucket[position].assign(mine, read_value=False))
             return tf.group(*updates, name="broadcast")
+
+
+def _after(op):
+    """True, once ``op`` has run (a conditional's branch value)."""
+    import tensorflow as tf
+    with tf.control_dependencies([op]):
+        return tf.constant(True)
 
 
 def _whole_slot(state: ShardedState, bucket: int, pair: int, position: int, name: str):
@@ -504,6 +551,90 @@ def _expose_whole_slots(optimizer, whole_slots) -> None:
         optimizer._restore_slot_variable(slot_name, variable, whole)  # noqa: SLF001
 
 
+def _savable(session) -> bool:
+    """Whether a checkpoint of ``session``'s graph can be written on this rank now (run
+    on this rank alone: no collective)."""
+    states = _states.get(session.graph)
+    return not states or all(session.run([state.savable for state in states]))
+
+
+def _install_session_saves() -> None:
+    """Makes the saves of ``MonitoredTrainingSession`` on rank 0 alone work with a sharded
+    optimizer state (once per process; idle for graphs without one):
+
+    - a ``CheckpointSaverHook`` save due after a train run (on a timer only rank 0
+      follows) asks for a consolidation and is made after the next train run, whose
+      background run consolidates on every rank (rank 0's request rides on its first
+      all-gather);
+    - a session that closes after training, on every rank alike, consolidates before its
+      hooks end, so the final save holds the state of the last step."""
+    from tensorflow.python.training import basic_session_run_hooks, monitored_session
+
+    from tfoverlap.horovod.deferred import join_reductions
+    saver_hook = basic_session_run_hooks.CheckpointSaverHook
+    if getattr(saver_hook._save, "_tfoverlap", False):  # noqa: SLF001
+        return
+    plain_save, plain_after_run = saver_hook._save, saver_hook.after_run  # noqa: SLF001
+    plain_end = saver_hook.end
+    session_class = monitored_session._MonitoredSession  # noqa: SLF001
+    plain_close = session_class._close_internal  # noqa: SLF001
+
+    def request(session):
+        # After the background run in flight: the next one reads the request, and every
+        # rank gathers the state there.
+        join_reductions()
+        session.run([state.request for state in _states[session.graph]])
+
+    def save_postponed(hook, session):
+        """The postponed save, where the state is whole now (None, and asked for again,
+        where it is not); its step counts as the timer's last."""
+        join_reductions()                       # the background run consolidated
+        if not _savable(session):
+            request(session)
+            return None
+        hook._tfoverlap_postponed = False  # noqa: SLF001
+        step = session.run(hook._global_step_tensor)  # noqa: SLF001
+        hook._timer.update_last_triggered_step(step)  # noqa: SLF001
+        return plain_save(hook, session, step)
+
+    def save(self, session, step):
+        if _savable(session):
+            return plain_save(self, session, step)
+        request(session)
+        self._tfoverlap_postponed = True  # noqa: SLF001
+        logger.info("tfoverlap: decouple: the checkpoint due at step %d waits one step for "
+                    "the sharded optimizer state to be gathered on every rank", step)
+        return False
+
+    def after_run(self, run_context, run_values):
+        if getattr(self, "_tfoverlap_postponed", False):
+            saved = save_postponed(self, run_context.session)
+            if saved is not None:
+                if saved:
+                    run_context.request_stop()
+                return None
+        return plain_after_run(self, run_context, run_values)
+
+    def end(self, session):
+        # A save postponed at the last step: the close has gathered the state.
+        if getattr(self, "_tfoverlap_postponed", False) and save_postponed(
+                self, session) is None:
+            logger.warning("tfoverlap: decouple: the final checkpoint was not written: the "
+                           "optimizer state is sharded and was not gathered at the close")
+        return plain_end(self, session)
+
+    def close_internal(self, exception_type=None):
+        session = getattr(self._coordinated_creator, "tf_sess", None)  # noqa: SLF001
+        if exception_type is None and session is not None and not _savable(session):
+            consolidate_optimizer_state(session)
+        return plain_close(self, exception_type)
+
+    save._tfoverlap = True  # noqa: SLF001
+    saver_hook._save = save  # noqa: SLF001
+    saver_hook.after_run, saver_hook.end = after_run, end
+    session_class._close_internal = close_internal  # noqa: SLF001
+
+
 def consolidate_optimizer_state(session) -> bool:
     """Gathers the whole optimizer state of every decoupled optimizer of ``session``'s
     graph on every rank (collective: every rank calls it, after the same train runs), so
@@ -511,10 +642,10 @@ def consolidate_optimizer_state(session) -> bool:
     rank keeps the whole state until its next train run. Returns False where nothing is
     decoupled (nothing to do). A save needs it only after a train run: a checkpoint
     restored, or broadcast from rank 0, is held whole already."""
-    consolidations = _consolidations.get(session.graph, [])
-    if consolidations:
-        session.run(consolidations)
-    return bool(consolidations)
+    states = _states.get(session.graph, [])
+    if states:
+        session.run([state.consolidate for state in states])
+    return bool(states)
 
 
 def _pending_apply(token, gathered, arrived, layouts, variables):

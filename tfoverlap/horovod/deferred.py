@@ -44,7 +44,7 @@ from tfoverlap.log import logger
 __all__ = ["deferral_refused", "reducing_allreduce", "defer_updates", "flush_op",
            "deferral_summary", "DEFERRABLE_OPTIMIZERS", "DeferralError", "register_pending",
            "mark_deferred", "pending_summaries", "not_reduced_alone", "staged_apply",
-           "stage_results", "arrival_queue"]
+           "stage_results", "arrival_queue", "join_reductions"]
 
 DEFERRABLE_OPTIMIZERS = ("GradientDescentOptimizer", "MomentumOptimizer", "AdamOptimizer")
 # Ops that use a variable's handle but not its value: they need not wait for an update.
@@ -510,7 +510,7 @@ def _reduce_in_background(session, group) -> None:
     thread.start()
 
 
-def _join_reductions(session=None) -> None:
+def join_reductions(session=None) -> None:
     """Lets the reductions in flight (of ``session``, else of every session) finish before
     the session closes or Horovod shuts down: every rank runs them, and one cut short on
     one rank would leave the others' waiting."""
@@ -578,7 +578,7 @@ def _install_session_hooks() -> None:
         return call
 
     def close_after_reductions(self):
-        _join_reductions(self)
+        join_reductions(self)
         return close(self)
 
     _extend_graph._tfoverlap = True  # noqa: SLF001
@@ -586,7 +586,7 @@ def _install_session_hooks() -> None:
     base._extend_graph = _extend_graph  # noqa: SLF001
     base._call_tf_sessionrun = _call_tf_sessionrun  # noqa: SLF001
     base._make_callable_from_options = _make_callable_from_options  # noqa: SLF001
-    atexit.register(_join_reductions)
+    atexit.register(join_reductions)
 
 
 def deferral_summary(graph) -> dict:
