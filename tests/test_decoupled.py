@@ -271,7 +271,7 @@ def test_a_monitored_session_saving_on_rank_0_alone_writes_whole_checkpoints(rec
     """Horovod's examples: a MonitoredTrainingSession on every rank, its CheckpointSaverHook
     on rank 0 alone (every 6 of 20 steps, and at the end). With decouple, a save due after
     a train run waits one step, for the background run to gather the state on every rank
-    (rank 0 asks through the first all-gather): steps 7, 14 and 20, where the last, due at
+    (the request rides on the first all-gather): steps 7, 14 and 20, where the last, due at
     the last step, is made after the session's close gathered the state. Training is plain
     Horovod's, bit for bit; the final checkpoint holds every value plain Horovod's does;
     training on without decouple from one written in the middle is plain Horovod's

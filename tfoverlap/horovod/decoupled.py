@@ -162,8 +162,8 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
                     for chunk, shapes in zip(gathers, gathered_shapes)]
         tokens = [StagingArea([tf.bool], [[]], capacity=1) for _ in gathers]
         arrived = [arrival_queue(f"arrived{number}") for number in range(len(gathers))]
-        # This rank's request for the whole optimizer state (a save on it alone: rank 0's
-        # counts); it rides on the first all-gather, and every rank consolidates alike.
+        # This rank's request for the whole optimizer state (a save on it alone); it rides
+        # on the first all-gather, and where any rank asked, every rank consolidates.
         wanted = tf.queue.FIFOQueue(1, [tf.bool], [[]], name="save_wanted")
         guard_of, applies, puts, chained = {}, [], [], []
         for number, chunk in enumerate(gathers):
@@ -173,7 +173,7 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
                 flag = [tf.reshape(tf.cast(wanted.size(), tf.float32), [1])] * (number == 0)
                 whole = hvd.grouped_allgather(shards + flag, process_set=process_set)
                 if number == 0:          # staged once the state is consolidated, if wanted
-                    whole, consolidating = whole[:-1], whole[-1][0] > 0
+                    whole, consolidating = whole[:-1], tf.reduce_max(whole[-1]) > 0
                     first_whole = whole
                     puts.append(None)
                 else:
@@ -271,7 +271,7 @@ class ShardedState:
 
     ``wanted``: the queue that holds this rank's request for a consolidation (``request``
     puts one in; the background run after the next train run consolidates on every rank
-    where rank 0 asked). ``savable``: whether a checkpoint can be written now."""
+    where any rank asked). ``savable``: whether a checkpoint can be written now."""
 
     def __init__(self, optimizer, variables, layouts, shard_variables, rank, process_set,
                  wanted):
@@ -562,9 +562,9 @@ def _install_session_saves() -> None:
     """Makes the saves of ``MonitoredTrainingSession`` on rank 0 alone work with a sharded
     optimizer state (once per process; idle for graphs without one):
 
-    - a ``CheckpointSaverHook`` save due after a train run (on a timer only rank 0
+    - a ``CheckpointSaverHook`` save due after a train run (on a timer only that rank
       follows) asks for a consolidation and is made after the next train run, whose
-      background run consolidates on every rank (rank 0's request rides on its first
+      background run consolidates on every rank (the request rides on its first
       all-gather);
     - a session that closes after training, on every rank alike, consolidates before its
       hooks end, so the final save holds the state of the last step."""
