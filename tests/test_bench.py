@@ -419,7 +419,10 @@ def test_an_emulated_horovod_job_of_two_ranks_trains_with_emulated_kernels():
             sys.executable, "-m", "tfoverlap.bench.allreduce_worker", "--model", "resnet20",
             "--batch", "32", "--variants", "horovod,caramel_forced,compute_only",
             "--rounds", "1", "--steps", "2", "--warmup", "1", "--emulate", "v100",
-            "--dilation", "10"], controller="gloo", timeout=400)
+            # Kernels long enough that the CPU a step costs stays well below its wall
+            # time on a busy host (compute_only: 16 ms of CPU against 49 ms; at 10, 7 ms
+            # against 14 ms, and once 16 ms of CPU).
+            "--dilation", "40"], controller="gloo", timeout=400)
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
     record = json.loads(next(line for line in result.outputs[0].splitlines()
                              if line.startswith("{")))
