@@ -24,8 +24,8 @@ from job_logging import Warnings  # noqa: E402 - this directory
 from keras_optimizers import optimizer_for  # noqa: E402 - this directory
 
 PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_adam", "schedule", "iterator",
-            "input_runs_out", "between_calls", "checkpoint", "one_step_per_call", "clip_global_norm",
-            "late_read", "auto")
+            "input_runs_out", "between_calls", "checkpoint", "one_step_per_call",
+            "clip_global_norm", "late_read", "auto")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
 WIDTHS = [64, 64, 64, 64, 64, 10]

@@ -292,9 +292,9 @@ def register_pending(graph, name: str, stores, background, close, guard_of: dict
 
     ``stores``: names of the ops that mark a run as the train run; when such a run
     returns, ``background`` (an op) runs in a background run of the same session, on every
-    rank alike; ``close`` closes its queues if it fails. ``guard_of``:
-    handle tensor name -> the op that applies what is pending to that variable (or slot):
-    every op built outside ``own`` (op names) that uses the handle waits for it. ``hidden``: names of
+    rank alike; ``close`` closes its queues if it fails. ``guard_of``: handle tensor name
+    -> the op that applies what is pending to that variable (or slot): every op built
+    outside ``own`` (op names) that uses the handle waits for it. ``hidden``: names of
     tensors that exist only in the background run (using one is a :class:`DeferralError`).
     ``summary``: what :func:`deferral_summary` adds up. ``broadcast_with``: handle tensor
     name -> an op (collective) that every Horovod broadcast of that variable from rank 0
