@@ -211,8 +211,9 @@ def summary_line() -> str:
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     ordered, planned, declined, failed = {}, {}, [], 0
     pipeline = sys.modules.get("tfoverlap.horovod.pipeline")
-    cross_step = list(pipeline.recent_decisions()) if pipeline else []
-    decoupled = []
+    decisions = list(pipeline.recent_decisions()) if pipeline else []
+    cross_step = [decision for decision in decisions if "decoupled" not in decision]
+    decoupled = [decision for decision in decisions if "decoupled" in decision]
     for report in recent_reports():
         failed += report.reverted
         for entry in report.passes:

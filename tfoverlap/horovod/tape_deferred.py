@@ -54,6 +54,7 @@ _unordered_reads = weakref.WeakKeyDictionary()   # graph -> names of reads ACD l
 _plans: dict = {}                            # the variables' refs -> (chunks, decision)
 _drains_on_error = weakref.WeakKeyDictionary()   # function graph -> pending ref -> drain
 _recorded: dict = {}                         # the variables' refs -> the last decision kept
+_decouplings: dict = {}                      # the variables' refs -> decouple's first plan
 _installed = False
 
 
@@ -78,6 +79,8 @@ class _TapeDeferral(Deferral):
     optimizer: object = None
     traced: int = 0                 # the body's ops up to the last of the deferral's own
     key: tuple = ()                 # its variables' refs, as _plans keys them
+    decoupling: tuple = ()          # decouple's plan: (buckets, all-gather requests)
+    decoupled: object = None        # its TapeDecoupled, once apply_gradients built it
 
     def reduce(self, tensors):
         """``tensors`` reduced as Horovod would, marked as deferred reductions."""
@@ -86,6 +89,23 @@ class _TapeDeferral(Deferral):
         for tensor in reduced:
             mark_deferred(reducing_allreduce(tensor))
         return reduced
+
+    @property
+    def option(self) -> str:
+        """The option its lines speak for."""
+        return "decouple" if self.decoupling else "cross_step"
+
+    @property
+    def done(self) -> str:
+        return "decoupled" if self.decoupling else "deferred"
+
+    def finish_pending(self) -> list:
+        """What the step before left pending, done: the deferred reductions reduced and
+        applied, or (decoupled) the updated shards all-gathered and assigned. Returns each
+        chunk's update (a boolean tensor), in order."""
+        if self.decoupled is not None:
+            return self.decoupled.gather_pending()
+        return apply_pending(self.optimizer, self, self.reduce)
 
 
 def attach(tape, reduction: dict, mode) -> None:
@@ -126,6 +146,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
 
     from tfoverlap.horovod.deferred import reducing_allreduce
     from tfoverlap.horovod.scheduling import plan_deferral
+    from tfoverlap.horovod.settings import wrapper_option
     from tensorflow.python.ops.control_flow_v2_func_graphs import WhileBodyFuncGraph
     level = logging.WARNING if mode is True else logging.INFO
     graph = tf.compat.v1.get_default_graph()
@@ -138,11 +159,12 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
             _plans.setdefault(key, ([], {"reason": "the loop was traced before "
                                                    "tfoverlap.horovod was imported"}))
         elif not _staging(graph):
-            _say(level, "DistributedGradientTape: nothing deferred: one step per call of "
+            option = "decouple" if wrapper_option("decouple", False) else "cross_step"
+            _say(level, f"DistributedGradientTape: nothing {option}d: one step per call of "
                         "the tf.function (or a step run eagerly); its gradients would stay "
                         "pending between calls, where the program reads the weights. A "
                         "loop of steps inside one tf.function (for _ in tf.range(n)) "
-                        "overlaps them with the next step of the call")
+                        "overlaps them with the next step of the call", option)
         return plain(grads, variables, use_generic_names)
     if key in _plans and not _plans[key][0]:      # decided on the first trace: nothing
         return plain(grads, variables, use_generic_names)
@@ -159,6 +181,10 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     own = {reducing_allreduce(tensor).name: i
            for i, (tensor, gradient) in enumerate(zip(reduced, deferral.gradients))
            if isinstance(tensor, tf.Tensor) and isinstance(gradient, tf.Tensor)}
+    if _decouples(deferral, graph, own):
+        return reduced
+    if not mode:
+        return reduced
     if key not in _plans:
         # The first trace decides for the process: a function traced again (TensorFlow
         # traces twice where a first trace made variables) must make the same steps on
@@ -181,6 +207,44 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     return reduced
 
 
+def _decouples(deferral: _TapeDeferral, graph, own: dict) -> bool:
+    """Whether the step is to be decoupled (configure(decouple=...)): planned on the first
+    trace, where the reduction allows it; the plan is kept in ``deferral`` for its
+    apply_gradients. Else one line says why, and cross-step overlap is planned as
+    configured."""
+    from tfoverlap.horovod.scheduling import plan_decoupling
+    from tfoverlap.horovod.settings import wrapper_option
+    from tfoverlap.horovod.tape_decoupled import reduction_refused
+    mode = wrapper_option("decouple", False)
+    if not mode:
+        return False
+    level = logging.WARNING if mode is True else logging.INFO
+    if deferral.key not in _decouplings:
+        refusal = reduction_refused(deferral.reduction)
+        if not refusal and len(own) < len(deferral.gradients):
+            refusal = "a gradient is not a dense tensor"
+        if refusal:
+            decision = {"mode": "auto" if mode == "auto" else "on", "decoupled": 0,
+                        "reason": refusal}
+            _decouplings[deferral.key] = ([], [], decision)
+        else:
+            _decouplings[deferral.key] = plan_decoupling(graph.as_graph_def(add_shapes=True),
+                                                         own, len(own), mode)
+    buckets, gathers, decision = _decouplings[deferral.key]
+    if not buckets:
+        _record(dataclasses.replace(deferral, decision=dict(decision, api="tape")))
+        _say(level, f"nothing decoupled: {decision.get('reason')}", "decouple")
+        return False
+    deferral.decision = dict(decision, api="tape")
+    deferral.level = level
+    deferral.decoupling = (buckets, gathers)
+    deferral.chunks = [[i for b in chunk for i in buckets[b]] for chunk in gathers]
+    for tensor in deferral.reduced:
+        _by_gradient[tensor.ref()] = deferral
+    deferral.loop.planned.append(deferral)
+    return True
+
+
 def _record(deferral: _TapeDeferral) -> None:
     """Keeps ``deferral``'s decision for tfoverlap run's summary, once for a step that
     TensorFlow traces again and that decides alike."""
@@ -189,8 +253,8 @@ def _record(deferral: _TapeDeferral) -> None:
         record(deferral.decision)
 
 
-def _say(level: int, message: str) -> None:
-    (warn_once if level >= logging.WARNING else info_once)(f"tfoverlap: cross_step: {message}")
+def _say(level: int, message: str, option: str = "cross_step") -> None:
+    (warn_once if level >= logging.WARNING else info_once)(f"tfoverlap: {option}: {message}")
 
 
 def install() -> None:
@@ -253,7 +317,8 @@ def _forget(loop: _Loop) -> None:
                 "no apply_gradients of the step got the tape's reduced gradients as they "
                 "were (changed first: clipped by global norm, scaled, ...)")
             _record(deferral)
-            _say(deferral.level, f"nothing deferred: {deferral.decision['reason']}")
+            _say(deferral.level, f"nothing {deferral.done}: {deferral.decision['reason']}",
+                 deferral.option)
 
 
 def _intercept_optimizers() -> None:
@@ -322,7 +387,13 @@ def _refused(optimizer, deferral: _TapeDeferral, pairs, reads: dict) -> str:
     graph = tf.compat.v1.get_default_graph()
     if graph is not deferral.body or deferral.optimizer is not None:
         return "apply_gradients was called outside the step that took the gradients"
-    refused = optimizer_refused(optimizer)
+    if deferral.decoupling:
+        from tfoverlap.horovod.tape_decoupled import refused as decoupling_refused
+        refused = decoupling_refused(optimizer, deferral.variables, deferral.gradients)
+        if not refused and len(pairs) != len(deferral.variables):
+            refused = "apply_gradients got other gradients than the tape's"
+    else:
+        refused = optimizer_refused(optimizer)
     if refused:
         return refused
     given = {gradient.ref(): variable for gradient, variable in pairs
@@ -333,7 +404,8 @@ def _refused(optimizer, deferral: _TapeDeferral, pairs, reads: dict) -> str:
             return ("a reduced gradient is used by other ops than the update, or changed "
                     "before it (clipping by global norm, a logged norm)")
     state = _optimizer_variables(optimizer)
-    state += [deferral.buffers[i] for i in deferral.deferred] + [deferral.pending]
+    if not deferral.decoupling:     # decoupled: the state it makes is new to the step
+        state += [deferral.buffers[i] for i in deferral.deferred] + [deferral.pending]
     state += [deferral.variables[i] for i in deferral.deferred]
     for index in deferral.deferred:
         handle = _handle_in(graph, deferral.variables[index])
@@ -373,30 +445,37 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
     deferred gradients stored, the others applied. Where it cannot defer, every pair is
     applied as given (Horovod's reductions), with one line saying why."""
     import tensorflow as tf
-    build_slots(optimizer, deferral.variables)
+    if not deferral.decoupling:
+        build_slots(optimizer, deferral.variables)
     reads: dict = {}
     refused = _refused(optimizer, deferral, pairs, reads)
     if refused:
         for index in deferral.deferred:
             _by_gradient.pop(deferral.reduced[index].ref(), None)
-        deferral.decision["reason"] = refused
+        deferral.decision.update(reason=refused, **{deferral.done: 0})
         _record(deferral)
-        _say(deferral.level, f"nothing deferred: {refused}; the step reduces its gradients "
-                             "as Horovod does")
+        _say(deferral.level, f"nothing {deferral.done}: {refused}; the step reduces its "
+                             "gradients as Horovod does", deferral.option)
         return apply_kept(pairs)
     graph = deferral.body
     deferral.optimizer = optimizer
+    if deferral.decoupling:
+        from tfoverlap.horovod.tape_decoupled import decoupled_for
+        deferral.decoupled = decoupled_for(optimizer, deferral.variables,
+                                           *deferral.decoupling, deferral.reduction)
     # Once the step has its batch: where the iterator has run out, the step does nothing
     # and the update stays whole for the drain (else it could be cut off part way).
     with tf.control_dependencies([op for op in graph.get_operations()
                                   if op.type in INPUT_OPS]):
-        updates = apply_pending(optimizer, deferral, deferral.reduce)
+        updates = deferral.finish_pending()
     unordered = _unordered_reads.setdefault(graph, set())
     for chunk, update in zip(deferral.chunks, updates):
         for index in chunk:
             for read in reads[index]:
                 read._add_control_input(update.op)  # noqa: SLF001 - see _unordered
                 unordered.add(read.name)
+    if deferral.decoupled is not None:
+        return _decoupled_update(deferral)
     for index in sorted(deferral.deferred):
         deferral.buffers[index].assign(deferral.gradients[index])
     deferral.pending.assign(True)
@@ -418,6 +497,26 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
     return result
 
 
+def _decoupled_update(deferral: _TapeDeferral):
+    """The decoupled step's update (:meth:`TapeDecoupled.update`), kept for the drain."""
+    result = deferral.decoupled.update(deferral.gradients)
+    deferral.traced = len(deferral.body.get_operations())
+    deferral.loop.deferrals.append(deferral)
+    layouts = deferral.decoupled.layouts
+    deferral.decision.update(decoupled=len(deferral.variables), buckets=len(layouts),
+                             gathers=len(deferral.decoupled.gathers),
+                             bytes=sum(4 * layout.total for layout in layouts),
+                             shard_bytes=sum(4 * layout.shard for layout in layouts))
+    _record(deferral)
+    logger.info("tfoverlap: decouple: DistributedGradientTape: %d gradients reduce-scattered "
+                "in %d buckets, all-gathered under the next forward pass in %d requests "
+                "(predicted %s ms a step, Horovod %s ms)", len(deferral.variables),
+                len(layouts), len(deferral.decoupled.gathers),
+                deferral.decision.get("predicted_step_ms"),
+                deferral.decision.get("horovod_step_ms"))
+    return result
+
+
 def _drain(loop: _Loop, outputs) -> None:
     """After ``loop``: what its last iteration left pending, reduced and applied; an error
     where the body read a deferred variable after its step's update."""
@@ -432,15 +531,15 @@ def _drain(loop: _Loop, outputs) -> None:
             late = [handles[t.ref()] for t in op.inputs if t.ref() in handles]
             if late:
                 raise ValueError(
-                    f"tfoverlap: cross_step: the loop's step uses {late[0].name} ({op.type}) "
-                    "after its apply_gradients, where that variable's update is still "
-                    "pending; use it before apply_gradients or after the loop, or turn "
-                    "cross-step overlap off (tfoverlap.horovod.configure(cross_step=False))")
+                    f"tfoverlap: {deferral.option}: the loop's step uses {late[0].name} "
+                    f"({op.type}) after its apply_gradients, where that variable's update "
+                    "is still pending; use it before apply_gradients or after the loop, or "
+                    f"turn it off (tfoverlap.horovod.configure({deferral.option}=False))")
     after = [t for t in tf.nest.flatten(outputs, expand_composites=True)
              if isinstance(t, tf.Tensor)]
     with tf.control_dependencies(after):
         for deferral in loop.deferrals:
-            apply_pending(deferral.optimizer, deferral, deferral.reduce)
+            deferral.finish_pending()
 
 
 def _drain_on_error(loop: _Loop) -> None:
@@ -456,9 +555,9 @@ def _drain_on_error(loop: _Loop) -> None:
     drains = _drains_on_error.setdefault(graph, {})
     for deferral in loop.deferrals:
         if any(op.type in INPUT_OPS for op in deferral.body.get_operations()):
-            drains.setdefault(deferral.pending.ref(), tf.function(
-                functools.partial(apply_pending, deferral.optimizer, deferral,
-                                  deferral.reduce)))
+            pending = (deferral.decoupled or deferral).pending
+            drains.setdefault(pending.ref(), tf.function(
+                functools.partial(_TapeDeferral.finish_pending, deferral)))
 
 
 def _unordered(op, reads, writes) -> bool:

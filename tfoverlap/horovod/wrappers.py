@@ -190,8 +190,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                             num_groups=0, groups=None, process_set=None,
                             scale_local_gradients=True):
     """``hvd.DistributedGradientTape`` with Caramel's schedule for ``tf.function`` steps
-    (same arguments), and cross-step overlap where the steps run in a loop inside one
-    ``tf.function`` (:mod:`tfoverlap.horovod.tape_deferred`)."""
+    (same arguments), and cross-step overlap or decoupled reduction where the steps run in
+    a loop inside one ``tf.function`` (:mod:`tfoverlap.horovod.tape_deferred`,
+    :mod:`tfoverlap.horovod.tape_decoupled`)."""
     import horovod.tensorflow as hvd
     compression = hvd.Compression.none if compression is None else compression
     op = hvd.Average if op is None else op
@@ -201,14 +202,15 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
         logger.warning("tfoverlap: explicit groups: Horovod's own reduction is used, "
                        "without Caramel")
     else:
-        enable_for_functions(carried_out=("cross_step",))
+        enable_for_functions(carried_out=("cross_step", "decouple"))
     tape = horovods(hvd, "DistributedGradientTape")(
         gradtape, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense, op=op,
         gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
         groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
     mode = wrapper_option("cross_step", "auto")
-    if not explicit_groups and mode and process_set.size() > 1:
+    decouple = wrapper_option("decouple", False)
+    if not explicit_groups and (mode or decouple) and process_set.size() > 1:
         from tfoverlap.horovod.tape_deferred import attach
         attach(tape, dict(device_dense=device_dense, device_sparse=device_sparse,
                           compression=compression, sparse_as_dense=sparse_as_dense, op=op,
