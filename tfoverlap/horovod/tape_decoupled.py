@@ -36,7 +36,8 @@ import weakref
 from tfoverlap.horovod.decoupled import BucketLayout, _flat, _padded
 from tfoverlap.horovod.pipeline import optimizer_refused
 
-__all__ = ["refused", "reduction_refused", "TapeDecoupled", "decoupled_for", "whole_slots"]
+__all__ = ["refused", "reduction_refused", "TapeDecoupled", "decoupled_for", "whole_slots",
+           "shard_state_bytes"]
 
 _built: dict = {}             # the variables' refs -> their TapeDecoupled (however traced)
 _of_optimizer = weakref.WeakKeyDictionary()     # program optimizer -> its TapeDecoupleds
@@ -286,3 +287,12 @@ def whole_slots(optimizer) -> dict:
                     state.setdefault(variable.ref(), {})[name] = tf.reshape(value,
                                                                             variable.shape)
     return state
+
+
+def shard_state_bytes(optimizer) -> int:
+    """The bytes of optimizer state this rank holds for the variables that
+    ``optimizer``'s tape steps decoupled (0 where none)."""
+    return sum(int(slot.shape.num_elements()) * slot.dtype.size
+               for decoupled in _of_optimizer.get(optimizer, [])
+               for b in range(len(decoupled.shards))
+               for slot in decoupled.slot_variables(b).values())
