@@ -114,10 +114,43 @@ def test_auto_decides_by_the_predicted_step_and_trains_exactly(records):
         assert ours["losses"] == plain["losses"] and ours["weights"] == plain["weights"]
 
 
+CHECKPOINTED = ["chain/momentum", "convnet/adam", "chain/legacy_adam"]
+_FRESH = ["horovod_from_tfoverlap", "tfoverlap_from_horovod", "tfoverlap_from_tfoverlap"]
+
+
+@pytest.mark.parametrize("run", CHECKPOINTED)
+def test_checkpoints_hold_the_whole_state_under_plain_keys_and_restore_both_ways(records,
+                                                                                 run):
+    """Saved on rank 0 after the first call: refused until every rank consolidated, then
+    the very checkpoint plain Horovod writes (every key, every value). Read back on rank 0
+    into the same objects half way and broadcast, or into new ones before their first
+    step (decoupled: on rank 0 alone), from either variant's checkpoint: every
+    continuation is plain Horovod's, bit for bit."""
+    for rank, record in enumerate(record["checkpoints"][run] for record in records):
+        assert "error" not in record, record.get("error")
+        assert record["warnings"] == [], record["warnings"]
+        plain, ours = record["horovod"], record["tfoverlap"]
+        assert ours["consolidated"] is True
+        if rank == 0:
+            assert "consolidate_optimizer_state()" in ours["unconsolidated"]
+            assert sorted(ours["saved"]) == sorted(plain["saved"])
+            assert any("optimizer" in key and ("_variables/2" in key or "SLOT" in key)
+                       for key in plain["saved"])
+            for key, values in plain["saved"].items():
+                assert ours["saved"][key] == values, key
+        straight = plain["restored_midway"]
+        for continued in [ours["restored_midway"]] + [record[name] for name in _FRESH]:
+            assert continued["losses"] == straight["losses"], rank
+            assert continued["weights"] == straight["weights"], rank
+            assert continued["slots"] == straight["slots"], rank
+        assert record["horovod_from_horovod"]["losses"] == straight["losses"]
+
+
 def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
     """At 4 ranks the reduce-scatter adds the ranks' gradients in another order than
-    Horovod's ring: 12 steps stay within a few float32 ulps of plain Horovod, and each
-    rank holds a quarter of the optimizer state."""
+    Horovod's ring: 12 steps stay within a few float32 ulps of plain Horovod, each rank
+    holds a quarter of the optimizer state, and the checkpoints and their continuations
+    stay as close."""
     for record in _job_records(tmp_path, 4, 12):
         for run in EXACT:
             plain, ours = record[run]["horovod"], record[run]["tfoverlap"]
@@ -132,3 +165,17 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
             decision = next(d for d in ours["decisions"] if d.get("decoupled"))
             padding = 3 * 4 * decision["buckets"] * len(next(iter(plain["slots"].values())))
             assert ours["state_bytes"] <= plain["state_bytes"] / 4 + padding
+        for run in CHECKPOINTED:
+            saved = record["checkpoints"][run]
+            assert "error" not in saved, saved.get("error")
+            if "saved" in saved["horovod"]:
+                assert sorted(saved["tfoverlap"]["saved"]) == sorted(saved["horovod"]["saved"])
+                for key, values in saved["horovod"]["saved"].items():
+                    np.testing.assert_allclose(saved["tfoverlap"]["saved"][key], values,
+                                               rtol=0, atol=1e-5, err_msg=key)
+            straight = saved["horovod"]["restored_midway"]
+            for continued in [saved["tfoverlap"]["restored_midway"]] + [saved[name]
+                                                                         for name in _FRESH]:
+                np.testing.assert_allclose(continued["losses"], straight["losses"], rtol=2e-6)
+                for theirs, mine in zip(straight["weights"], continued["weights"]):
+                    np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-5)

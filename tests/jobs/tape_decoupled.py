@@ -7,8 +7,8 @@ initial weights, on two models and Keras' decouplable optimizers.
 Each run is CALLS calls of STEPS steps ($TAPE_DECOUPLED_STEPS, default 100 in all).
 Between calls the program reads the weights, and rank 0 alone evaluates a loss (no
 collective may start). Also: patterns outside the contract (refused, trained as Horovod),
-an iterator that runs out, a read after the update (a clear error), "auto", and a
-checkpoint of the optimizer. Writes one JSON record per rank ($TAPE_DECOUPLED_RECORDS/
+an iterator that runs out, a read after the update (a clear error), "auto", and
+checkpoints written and read with and without decoupling (:func:`checkpointed`). Writes one JSON record per rank ($TAPE_DECOUPLED_RECORDS/
 rank-N.json): per run and variant, the losses, the weights seen between calls, rank 0's
 evaluations, the final weights and whole optimizer slots, the step counter, the bytes of
 optimizer state on this rank, the decisions, tfoverlap's warnings and any error.
@@ -16,7 +16,7 @@ optimizer state on this rank, the decisions, tfoverlap's warnings and any error.
 import json
 import logging
 import os
-import sys
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -35,8 +35,11 @@ STEPS = TOTAL // CALLS
 BATCH = 16
 RUNS = ("chain/sgd", "chain/momentum", "chain/adam", "chain/adamw", "chain/legacy_momentum",
         "chain/legacy_adam", "chain/schedule", "convnet/momentum", "convnet/adam")
-#: (name, model/optimizer, what is different)
-PATTERNS = ("input_runs_out", "built_first", "clipped", "late_read", "checkpoint", "auto")
+#: patterns of chain/momentum that differ from the plain loop
+PATTERNS = ("input_runs_out", "built_first", "clipped", "late_read", "auto")
+#: runs saved after their first call, and restored (tests/test_tape_decoupled.py)
+CHECKPOINTED = ("chain/momentum", "convnet/adam", "chain/legacy_adam")
+SHARED = os.environ.get("TAPE_DECOUPLED_RECORDS") or tempfile.mkdtemp()
 
 hvd.init()
 RANK = hvd.rank()
@@ -160,18 +163,74 @@ def train(run, pattern, variant):
         if RANK == 0:   # rank 0 alone evaluates between calls: no collective may start
             record["rank0_evaluate"].append(
                 float(tf.reduce_sum(model(VALIDATION, training=False))))
-        if pattern == "checkpoint" and call == 0:
-            checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-            try:
-                checkpoint.write(os.path.join(os.environ.get("TAPE_DECOUPLED_RECORDS", "/tmp"),
-                                              f"tape-{variant}-{RANK}"))
-                record["saved"] = True
-            except ValueError as error:
-                record["save_refused"] = str(error)
     record["weights"] = [w.ravel().tolist() for w in model.get_weights()]
     record["slots"] = slots_of(model, optimizer, variant)
     record["iterations"] = int(optimizer.iterations)
     record["state_bytes"] = state_bytes(optimizer, variant)
+    return record
+
+
+def optimizer_variables(optimizer) -> list:
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def go_on(model, optimizer, function) -> dict:
+    """Calls 1 to CALLS - 1 of ``function``: their losses, the final weights and state."""
+    losses = [function(tf.constant(call * STEPS)).numpy().tolist() for call in range(1, CALLS)]
+    return {"losses": losses, "weights": [w.ravel().tolist() for w in model.get_weights()],
+            "slots": slots_of(model, optimizer, "tfoverlap")}
+
+
+def checkpointed(run) -> dict:
+    """``run`` saved on rank 0 after its first call (decoupled: first without, then after
+    consolidate_optimizer_state), then (a) one more call, the checkpoint read on rank 0
+    into the same objects and broadcast, and the run trained on; (b) a new model and
+    optimizer read from either variant's checkpoint before their first step (plain: on
+    every rank; decoupled: on rank 0 alone) and trained on."""
+    model_name, optimizer_name = run.split("/")
+    record, paths = {}, {}
+    for variant in ("horovod", "tfoverlap"):
+        wrapper = (tfo_hvd.DistributedGradientTape if variant == "tfoverlap"
+                   else hvd.DistributedGradientTape)
+        model, optimizer = model_for(model_name), optimizer_for(optimizer_name)
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        function = train_function("exact", model, optimizer, wrapper)
+        function(tf.constant(0))
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        paths[variant] = os.path.join(SHARED, f"{run.replace('/', '-')}-{variant}")
+        segment = {}
+        if variant == "tfoverlap" and RANK == 0:
+            try:
+                checkpoint.write(paths[variant] + "-unconsolidated")
+                segment["unconsolidated"] = "written"
+            except ValueError as error:
+                segment["unconsolidated"] = str(error)
+        segment["consolidated"] = tfo_hvd.consolidate_optimizer_state()
+        if RANK == 0:
+            checkpoint.write(paths[variant])
+            reader = tf.train.load_checkpoint(paths[variant])
+            segment["saved"] = {name: reader.get_tensor(name).ravel().tolist()
+                                for name in sorted(reader.get_variable_to_shape_map())
+                                if not name.startswith("_CHECKPOINTABLE")}
+        hvd.allreduce(tf.constant(0.0), name=f"saved_{variant}")    # the file is there
+        function(tf.constant(STEPS))
+        if RANK == 0:
+            checkpoint.read(paths[variant])
+        hvd.broadcast_variables(model.variables + optimizer_variables(optimizer), root_rank=0)
+        segment["restored_midway"] = go_on(model, optimizer, function)
+        record[variant] = segment
+    for variant in ("horovod", "tfoverlap"):
+        for source in ("horovod", "tfoverlap"):
+            wrapper = (tfo_hvd.DistributedGradientTape if variant == "tfoverlap"
+                       else hvd.DistributedGradientTape)
+            model, optimizer = model_for(model_name), optimizer_for(optimizer_name)
+            if variant == "horovod" or RANK == 0:
+                tf.train.Checkpoint(model=model, optimizer=optimizer).read(paths[source])
+            # The step counter; decoupled, the slots go from rank 0 when the step is built.
+            hvd.broadcast_variables(model.variables + [optimizer.iterations], root_rank=0)
+            function = train_function("exact", model, optimizer, wrapper)
+            record[f"{variant}_from_{source}"] = go_on(model, optimizer, function)
     return record
 
 
@@ -197,6 +256,15 @@ def main():
             record["decisions"] = recent_decisions()[decided:]
             record["warnings"] = list(warnings.messages)
             records[name][variant] = record
+    tfo_hvd.configure(**OPTIONS, cross_step=False, decouple=True)
+    for run in CHECKPOINTED:
+        warnings.messages.clear()
+        try:
+            record = checkpointed(run)
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            record = {"error": f"{type(error).__name__}: {error}"}
+        record["warnings"] = list(warnings.messages)
+        records.setdefault("checkpoints", {})[run] = record
     out = os.environ.get("TAPE_DECOUPLED_RECORDS")
     if out:
         with open(os.path.join(out, f"rank-{RANK}.json"), "w") as f:

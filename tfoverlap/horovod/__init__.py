@@ -16,9 +16,10 @@ results, with the backward order fixed and the gradients reduced in planned buck
 Cross-step overlap (on where the plan predicts a gain) runs in graph mode
 (:mod:`tfoverlap.horovod.deferred`), in Keras ``model.fit`` with several steps per call
 (:mod:`tfoverlap.horovod.keras_deferred`) and for tape steps in a loop inside one
-``tf.function`` (:mod:`tfoverlap.horovod.tape_deferred`). Graph mode also offers
-decoupled reduction (:mod:`tfoverlap.horovod.decoupled`, ``configure(decouple=...)``, off
-by default; :func:`consolidate_optimizer_state` on every rank before a save on one).
+``tf.function`` (:mod:`tfoverlap.horovod.tape_deferred`). Graph mode and such tape loops
+also offer decoupled reduction (:mod:`tfoverlap.horovod.decoupled`,
+:mod:`tfoverlap.horovod.tape_decoupled`, ``configure(decouple=...)``, off by default;
+:func:`consolidate_optimizer_state` on every rank before a save on one).
 
 The network model (alpha, beta) is what :func:`configure` was given, else it is measured
 once with a few AllReduces of two sizes. Op times come from a profile (``profile=``), from
@@ -32,10 +33,10 @@ from __future__ import annotations
 
 import sys
 
-from tfoverlap.horovod.decoupled import consolidate_optimizer_state
 from tfoverlap.horovod.measure import host_facts, measure_flops, measure_network, warmup_profile
 from tfoverlap.horovod.settings import caramel_options, configure, network_model
-from tfoverlap.horovod.wrappers import DistributedGradientTape, DistributedOptimizer, flush_op
+from tfoverlap.horovod.wrappers import (DistributedGradientTape, DistributedOptimizer,
+                                        consolidate_optimizer_state, flush_op)
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
            "measure_flops", "host_facts", "network_model", "caramel_options", "flush_op",

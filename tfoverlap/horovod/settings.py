@@ -33,12 +33,14 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
     in-step plan's; True: wherever a reduction fits under the forward pass; False:
     never.
 
-    ``decouple``: graph-mode optimizers reduce-scatter the gradients under the backward
-    pass, update each rank's own shard and all-gather the parameters under the next
-    forward pass (:mod:`tfoverlap.horovod.decoupled`). True: wherever the program allows
+    ``decouple``: graph-mode optimizers, and tape steps in a loop inside one
+    ``tf.function``, reduce-scatter the gradients under the backward pass, update each
+    rank's own shard and all-gather the parameters under the next forward pass
+    (:mod:`tfoverlap.horovod.decoupled`, :mod:`tfoverlap.horovod.tape_decoupled`).
+    True: wherever the program allows
     it; "auto": where the plan predicts a step at least ``min_gain`` faster than the best
-    of Horovod's, the in-step plan's and cross-step overlap's; False (the default, until
-    checkpoints hold the sharded optimizer state whole): never."""
+    of Horovod's, the in-step plan's and cross-step overlap's; False (the default):
+    never."""
     from tfoverlap.options import parse_options
     if (not isinstance(profile_steps, int) or isinstance(profile_steps, bool)
             or not 0 <= profile_steps <= 100):

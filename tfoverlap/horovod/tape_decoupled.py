@@ -19,36 +19,40 @@ variable holds plain Horovod's value (elementwise optimizers compute each elemen
 on a shard and on the whole tensor; past 2 ranks, up to the order in which the
 reduce-scatter adds the ranks' gradients), and the optimizer state takes 1/n of its
 memory. The program's optimizer holds no slots for the decoupled variables: its
-``variables`` are its step counter (and learning rate), which Horovod's broadcast and
-Keras' callbacks use as before; :func:`whole_slots` gathers the state (collective).
+``variables`` are its step counter (and hyperparameters), which Horovod's broadcast and
+Keras' callbacks use as before.
+
+**Checkpoints** (``tf.train.Checkpoint`` of the program's optimizer) hold the whole slots
+under the keys a checkpoint without decoupling has (``optimizer/_variables/3``; legacy:
+``.../.OPTIMIZER_SLOT/optimizer/m``), so each restores into the other. A restore needs no
+collective: each rank takes its shard, also where the checkpoint was read before the
+first step (then rank 0's state goes to every rank when the step is built, as plain
+Horovod programs broadcast it); Horovod's ``broadcast_variables`` of the optimizer's
+variables carries rank 0's restored state to the others. A save on one rank needs the
+others' shards: every rank first calls ``tfoverlap.horovod.consolidate_optimizer_state()``
+(a save without it is refused with that remedy named).
 
 Where the program or its optimizer does not allow it, nothing is decoupled and one line
-says why (:func:`refused`). Not yet: a checkpoint of the sharded state. A
-``tf.train.Checkpoint`` that holds the program's optimizer refuses to save, naming the
-remedy, rather than write a checkpoint without its slots.
+says why (:func:`refused`): among others, a Keras optimizer built before its first
+decoupled step (restore into it unbuilt; legacy optimizers' slots are taken over).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import weakref
 
-from tfoverlap.horovod.decoupled import BucketLayout, _flat, _padded
-from tfoverlap.horovod.pipeline import optimizer_refused
+from tfoverlap.horovod.decoupled import BucketLayout, _flat, _padded, _whole_slot_class
+from tfoverlap.horovod.pipeline import build_slots, optimizer_refused
 
-__all__ = ["refused", "reduction_refused", "TapeDecoupled", "decoupled_for", "whole_slots",
-           "shard_state_bytes"]
+__all__ = ["refused", "refuse_again", "reduction_refused", "TapeDecoupled", "decoupled_for",
+           "consolidate_all", "whole_slots", "shard_state_bytes", "CONSOLIDATE_FIRST"]
 
 _built: dict = {}             # the variables' refs -> their TapeDecoupled (however traced)
 _of_optimizer = weakref.WeakKeyDictionary()     # program optimizer -> its TapeDecoupleds
+_legacy_exposed = weakref.WeakKeyDictionary()   # legacy optimizer -> id(variable) -> slots
 _numbers = itertools.count()
-
-SAVE_REFUSED = (
-    "tfoverlap: decouple: this optimizer's state is sharded across the ranks (a "
-    "DistributedGradientTape step decoupled in a tf.function loop), and checkpoints of that "
-    "state are not written yet; train with tfoverlap.horovod.configure(decouple=False) "
-    "where the optimizer is checkpointed")
-
 
 def _decouplable_classes() -> tuple:
     import tensorflow as tf
@@ -93,22 +97,30 @@ def refused(optimizer, variables, gradients) -> str:
     if variables[0].ref() in _built:
         if _built[variables[0].ref()].program_optimizer is not optimizer:
             return "the variables are decoupled with another optimizer"
+    elif isinstance(optimizer, tf.keras.optimizers.Optimizer) and _of_optimizer.get(optimizer):
+        return "the optimizer is decoupled for other variables (Keras' optimizers build once)"
     elif _holds_state(optimizer, variables):
-        return ("the optimizer already holds state for the variables (built, stepped or "
-                "restored from a checkpoint before its first decoupled step)")
+        return ("the optimizer already holds state for the variables (built or stepped "
+                "before its first decoupled step; restore a checkpoint into it unbuilt)")
     return ""
 
 
+def refuse_again(variables, refusal: str) -> None:
+    """Raises where ``variables`` were decoupled before and a step of them is now
+    refused: their optimizer state is in the shards, which plain updates would not use."""
+    if variables[0].ref() in _built:
+        raise ValueError(f"tfoverlap: decouple: {variables[0].name} was decoupled in an "
+                         f"earlier trace, and this one cannot be ({refusal}); its optimizer "
+                         "state is sharded: trace the step alike, or train with "
+                         "configure(decouple=False) from the start")
+
+
 def _holds_state(optimizer, variables) -> bool:
-    """Whether ``optimizer`` has (or waits to restore) state of its own for ``variables``."""
+    """Whether Keras' ``optimizer`` (not legacy) has built its state for ``variables``
+    (a legacy optimizer's slots, restored or built, are taken over: :func:`_take_over`)."""
     import tensorflow as tf
-    if isinstance(optimizer, tf.keras.optimizers.Optimizer):
-        waiting = getattr(optimizer._variables, "_deferred_dependencies", {})  # noqa: SLF001
-        return bool(getattr(optimizer, "_built", False) or waiting)
-    from keras.src.optimizers.legacy.optimizer_v2 import _var_key  # the slots' own key
-    slots = getattr(optimizer, "_slots", {})
-    return bool(getattr(optimizer, "_deferred_slot_restorations", {})) or any(
-        slots.get(_var_key(variable)) for variable in variables)
+    return isinstance(optimizer, tf.keras.optimizers.Optimizer) and bool(
+        getattr(optimizer, "_built", False))
 
 
 def _shard_optimizer(optimizer):
@@ -124,12 +136,13 @@ def _shard_optimizer(optimizer):
             if hasattr(optimizer, "_current_learning_rate"):
                 copy._current_learning_rate = optimizer._current_learning_rate  # noqa: SLF001
         else:
+            optimizer._create_hypers()  # noqa: SLF001 - saved with the program's, as without
             copy.iterations = optimizer.iterations
             copy._hyper = optimizer._hyper  # noqa: SLF001 - set_hyper reaches both
     return copy
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class TapeDecoupled:
     """One set of decoupled variables: their buckets, the shard variables this rank
     updates, the optimizer that updates them, and whether an all-gather is pending."""
@@ -142,6 +155,10 @@ class TapeDecoupled:
     pending: object           # tf.Variable(bool): shards updated, not yet all-gathered
     process_set: object
     op: object                # Horovod's reduction op (Average or Sum)
+    slot_names: list = dataclasses.field(default_factory=list)
+    calls: int = 0            # calls of the functions that train the shards
+    whole: dict = dataclasses.field(default_factory=dict)   # (index, slot) -> whole value
+    whole_at: int = -1        # ``calls`` when ``whole`` was gathered or restored
 
     @property
     def chunks(self) -> list[list[int]]:
@@ -224,6 +241,85 @@ class TapeDecoupled:
                 for name in self.optimizer.get_slot_names()}
 
 
+    def trained(self) -> None:
+        """A call that updates the shards begins: the whole values held are stale."""
+        self.calls += 1
+        self.whole = {}
+
+    def consolidate(self) -> None:
+        """Every rank's shards of every slot all-gathered into whole values, kept until
+        the next train call (collective)."""
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+        for b, layout in enumerate(self.layouts):
+            gathered = hvd.grouped_allgather(
+                [tf.convert_to_tensor(self.slot_variables(b)[name]) for name in self.slot_names],
+                process_set=self.process_set)
+            for name, flat in zip(self.slot_names, gathered):
+                for i, value in zip(layout.members, tf.split(flat[:layout.total],
+                                                             list(layout.counts))):
+                    self.whole[i, name] = tf.reshape(value, self.variables[i].shape)
+        self.whole_at = self.calls
+
+    @property
+    def savable(self) -> bool:
+        """Whether this rank holds the whole state (or nothing was trained yet)."""
+        return self.calls == 0 or self.whole_at == self.calls and len(self.whole) == sum(
+            len(layout.members) for layout in self.layouts) * len(self.slot_names)
+
+    def saved_value(self, i, name):
+        """What a checkpoint writes of variable ``i``'s slot ``name``: the whole value this
+        rank holds since its last train call, else zeros (nothing trained yet; or a
+        restore, which asks for the value's type alone: a save is refused before, by
+        :func:`_guard_saves`)."""
+        import tensorflow as tf
+        if self.whole_at == self.calls and (i, name) in self.whole:
+            return self.whole[i, name]
+        return tf.zeros(self.variables[i].shape)
+
+    def restore_whole(self, b, i, name, value) -> None:
+        """Variable ``i``'s slot ``name`` restored to ``value``: kept whole (a save or a
+        broadcast may follow), and this rank's part written into its shard (no
+        collective)."""
+        import tensorflow as tf
+        value = tf.reshape(tf.convert_to_tensor(value), self.variables[i].shape)
+        if self.whole_at != self.calls:
+            self.whole = {}
+        self.whole[i, name], self.whole_at = value, self.calls
+        slot, layout = self.slot_variables(b)[name], self.layouts[b]
+        offset = sum(layout.counts[:layout.members.index(i)])
+        flat = tf.reshape(value, [-1])
+        for member, first, end in layout.owned(self.process_set.rank()):
+            if layout.members[member] == i:
+                at = offset + first - self.process_set.rank() * layout.shard
+                slot[at:at + end - first].assign(flat[first:end])
+
+    def broadcast_state(self, root_rank: int) -> None:
+        """The whole state that ``root_rank`` restored (if it holds it whole) given to
+        every rank, each taking its shard (collective; nothing moves where the root holds
+        only its shard: the ranks' shards already agree)."""
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+        keys = [(b, i, name) for b, layout in enumerate(self.layouts)
+                for i in layout.members for name in self.slot_names]
+        held = self.whole_at == self.calls and all(key[1:] in self.whole for key in keys)
+        if not keys or not int(hvd.broadcast(tf.constant(int(held)), root_rank,
+                                             process_set=self.process_set)):
+            return
+        sizes = [self.variables[i].shape.num_elements() for _, i, _ in keys]
+        own = [tf.reshape(self.whole[i, name], [-1]) if held else tf.zeros([size])
+               for (_, i, name), size in zip(keys, sizes)]
+        rooted = hvd.broadcast(tf.concat(own, 0), root_rank, process_set=self.process_set)
+        for key, value in zip(keys, tf.split(rooted, sizes)):
+            self.restore_whole(*key, value)
+
+
+CONSOLIDATE_FIRST = (
+    "tfoverlap: decouple: the optimizer state is sharded across the ranks, and this rank "
+    "holds only its shard: call tfoverlap.horovod.consolidate_optimizer_state() on every "
+    "rank after the last train call and before saving on one rank")
+
+
 def decoupled_for(optimizer, variables, buckets, gathers, reduction) -> TapeDecoupled:
     """The shards, shard optimizer and pending flag of ``variables`` (made once: a
     function traced again uses the same ones), and the program optimizer's refusal to be
@@ -241,30 +337,188 @@ def decoupled_for(optimizer, variables, buckets, gathers, reduction) -> TapeDeco
                               name=f"tfoverlap_shard{number}_{b}")
                   for b, layout in enumerate(layouts)]
         pending = tf.Variable(False, trainable=False, name=f"tfoverlap_gather_pending{number}")
-        _refuse_saves(optimizer)
-    decoupled = TapeDecoupled(optimizer, list(variables), layouts, [list(c) for c in gathers],
-                              shards, _shard_optimizer(optimizer), pending, process_set,
-                              reduction["op"])
-    _built[key] = decoupled
-    _of_optimizer.setdefault(optimizer, []).append(decoupled)
+        shard_optimizer = _shard_optimizer(optimizer)
+        build_slots(shard_optimizer, shards)
+        decoupled = TapeDecoupled(optimizer, list(variables), layouts,
+                                  [list(c) for c in gathers], shards, shard_optimizer,
+                                  pending, process_set, reduction["op"])
+        decoupled.slot_names = sorted(decoupled.slot_variables(0)) if shards else []
+        _built[key] = decoupled
+        _of_optimizer.setdefault(optimizer, []).append(decoupled)
+        _expose_whole_slots(optimizer, decoupled)
+        # A checkpoint restored on rank 0 alone before the first step: every rank takes
+        # its shard (plain Horovod's programs broadcast the slots from rank 0 as well).
+        decoupled.broadcast_state(0)
     return decoupled
 
 
-def _refuse_saves(optimizer) -> None:
-    """Makes a checkpoint that holds ``optimizer`` fail with :data:`SAVE_REFUSED` where
-    its decoupled steps keep optimizer state (plain SGD keeps none)."""
+def _expose_whole_slots(optimizer, decoupled: TapeDecoupled) -> None:
+    """Makes checkpoints of the program's ``optimizer`` hold the whole slots of the
+    decoupled variables where a plain optimizer keeps them (a WholeSlot each, saved and
+    restored through ``decoupled``), and restores into them what a checkpoint read
+    before the first step left pending (or, legacy, restored into the optimizer's own
+    slots, which are then let go)."""
+    import tensorflow as tf
+    whole_slot = _whole_slot_class()
+    wholes = {(i, name): whole_slot(decoupled, b, i, name,
+                                    f"{decoupled.variables[i]._shared_name}/{name}")  # noqa: SLF001
+              for b, layout in enumerate(decoupled.layouts) for i in layout.members
+              for name in decoupled.slot_names}
+    if isinstance(optimizer, tf.keras.optimizers.Optimizer):
+        _expose_listed(optimizer, decoupled, wholes)
+    else:
+        _expose_legacy(optimizer, decoupled, wholes)
+    _guard_saves(optimizer)
+    _install_broadcast_hook()
+
+
+def _guard_saves(optimizer) -> None:
+    """Makes a checkpoint that holds ``optimizer`` refuse to be written
+    (:data:`CONSOLIDATE_FIRST`) where this rank holds only its shards of the state: a
+    child of the optimizer without values of its own, looked at first."""
     from tensorflow.python.trackable import base as trackable
     program_optimizer = weakref.ref(optimizer)
 
-    class ShardedStateNotSaved(trackable.Trackable):
+    class ShardedStateGuard(trackable.Trackable):
         def _serialize_to_tensors(self):
-            for decoupled in _of_optimizer.get(program_optimizer(), []):
-                if any(decoupled.slot_variables(b) for b in range(len(decoupled.shards))):
-                    raise ValueError(SAVE_REFUSED)
+            if not all(decoupled.savable for decoupled in _of_optimizer.get(
+                    program_optimizer(), [])):
+                raise ValueError(CONSOLIDATE_FIRST)
             return {}
 
-    optimizer._track_trackable(ShardedStateNotSaved(),  # noqa: SLF001 - a tracked child
-                               name="tfoverlap_sharded_state", overwrite=True)
+    if "tfoverlap_sharded_state" not in optimizer._trackable_children():  # noqa: SLF001
+        optimizer._track_trackable(ShardedStateGuard(),  # noqa: SLF001 - a tracked child
+                                   name="tfoverlap_sharded_state")
+
+
+def _plain_order(optimizer, count: int) -> list:
+    """(variable index, slot name) of each variable that Keras' ``optimizer`` would make
+    for ``count`` variables, in the order of its ``variables[1:]`` (which its checkpoints
+    number): found by building a copy of it for stand-ins of one element each."""
+    import tensorflow as tf
+    probe = type(optimizer).from_config(optimizer.get_config())
+    stand_ins = [tf.Variable(tf.zeros([1]), name=f"tfoverlap_probe_{i}") for i in range(count)]
+    probe.build(stand_ins)
+    suffixes = [f"/{stand_in._shared_name}:0"  # noqa: SLF001 - the optimizer's naming
+                for stand_in in stand_ins]
+    order = []
+    for variable in probe.variables[1:]:
+        index = next((i for i, suffix in enumerate(suffixes)
+                      if variable.name.endswith(suffix)), None)
+        order.append(None if index is None else (index, variable.name[
+            :-len(suffixes[index])].rsplit("/", 1)[-1]))
+    return order
+
+
+def _expose_listed(optimizer, decoupled, wholes) -> None:
+    """Keras' optimizer: its checkpoints number its variables (``_variables/k``)."""
+    from tensorflow.python.trackable import base as trackable
+    listed = {"0": optimizer.iterations}
+    for k, entry in enumerate(_plain_order(optimizer, len(decoupled.variables)), start=1):
+        if entry is not None:
+            listed[str(k)] = wholes[entry]
+
+    class ListedState(trackable.Trackable):
+        """The optimizer's ``_variables`` as a checkpoint of it without decoupling holds
+        them."""
+
+        def _trackable_children(self, save_type="checkpoint", **kwargs):
+            return dict(listed)
+
+    view = ListedState()
+    plain_children = optimizer._trackable_children  # noqa: SLF001
+
+    def trackable_children(save_type="checkpoint", **kwargs):
+        children = plain_children(save_type, **kwargs)
+        if save_type == "checkpoint" and "_variables" in children:
+            children["_variables"] = view
+        return children
+
+    optimizer._trackable_children = trackable_children  # noqa: SLF001
+    waiting = optimizer._variables._deferred_dependencies  # noqa: SLF001 - read before
+    for name in [name for name in waiting if name in listed and name != "0"]:
+        for position in waiting.pop(name):
+            position.restore(listed[name])
+
+
+def _expose_legacy(optimizer, decoupled, wholes) -> None:
+    """A legacy optimizer: its checkpoints hold slots by variable and slot name."""
+    from keras.src.optimizers.legacy.optimizer_v2 import _var_key  # the slots' own key
+    for i, variable in enumerate(decoupled.variables):
+        key = _var_key(variable)
+        b = next(b for b, layout in enumerate(decoupled.layouts) if i in layout.members)
+        for name, slot in optimizer._slots.pop(key, {}).items():  # noqa: SLF001
+            if name in decoupled.slot_names:          # restored (or built) before the step
+                decoupled.restore_whole(b, i, name, slot.read_value())
+            optimizer._weights[:] = [w for w in optimizer._weights  # noqa: SLF001
+                                     if w is not slot]
+        for name in decoupled.slot_names:
+            waiting = optimizer._deferred_slot_restorations.get(name, {})  # noqa: SLF001
+            for position in waiting.pop(key, []):
+                position.restore(wholes[i, name])
+    exposed = _legacy_exposed.get(optimizer)
+    if exposed is None:
+        exposed = _legacy_exposed[optimizer] = {}
+        plain_get_slot, plain_names = optimizer.get_slot, optimizer.get_slot_names
+        plain_restore = optimizer._create_or_restore_slot_variable  # noqa: SLF001
+
+        def whole_of(variable, name):
+            entry = exposed.get(id(variable))
+            return entry[1].get(name) if entry is not None and entry[0] is variable else None
+
+        def get_slot(variable, name):
+            whole = whole_of(variable, name)
+            return plain_get_slot(variable, name) if whole is None else whole
+
+        def get_slot_names():
+            return sorted(set(plain_names()) | {name for _, slots in exposed.values()
+                                                for name in slots})
+
+        def create_or_restore_slot(slot_variable_position, slot_name, variable):
+            whole = whole_of(variable, slot_name)
+            return (plain_restore(slot_variable_position, slot_name, variable)
+                    if whole is None else whole)
+
+        optimizer.get_slot, optimizer.get_slot_names = get_slot, get_slot_names
+        optimizer._create_or_restore_slot_variable = create_or_restore_slot  # noqa: SLF001
+    for (i, name), whole in wholes.items():
+        variable = decoupled.variables[i]
+        exposed.setdefault(id(variable), (variable, {}))[1][name] = whole
+
+
+def _install_broadcast_hook() -> None:
+    """Makes Horovod's ``broadcast_variables`` of a decoupled optimizer's step counter
+    (``optimizer.variables``) carry the root's whole state where the root holds it (a
+    checkpoint restored there alone), as it carries a plain optimizer's slots."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    from horovod.tensorflow import functions
+    plain = functions.broadcast_variables
+    if getattr(plain, "tfoverlap", False):
+        return
+
+    @functools.wraps(plain)
+    def broadcast_variables(variables, root_rank, *args, **kwargs):
+        variables = list(variables)
+        result = plain(variables, root_rank, *args, **kwargs)
+        if tf.executing_eagerly():
+            counters = {id(variable) for variable in variables}
+            for decoupled in {id(d): d for d in _built.values()}.values():
+                if id(decoupled.program_optimizer.iterations) in counters:
+                    decoupled.broadcast_state(root_rank)
+        return result
+
+    broadcast_variables.tfoverlap = True
+    functions.broadcast_variables = hvd.broadcast_variables = broadcast_variables
+
+
+def consolidate_all() -> bool:
+    """Every tape step's decoupled state gathered whole on every rank (collective);
+    False where nothing was decoupled."""
+    decoupleds = list({id(d): d for d in _built.values()}.values())
+    for decoupled in decoupleds:
+        decoupled.consolidate()
+    return bool(decoupleds)
 
 
 def whole_slots(optimizer) -> dict:

@@ -55,6 +55,7 @@ _plans: dict = {}                            # the variables' refs -> (chunks, d
 _drains_on_error = weakref.WeakKeyDictionary()   # function graph -> pending ref -> drain
 _recorded: dict = {}                         # the variables' refs -> the last decision kept
 _decouplings: dict = {}                      # the variables' refs -> decouple's first plan
+_trains = weakref.WeakKeyDictionary()        # function graph -> the shards its calls update
 _installed = False
 
 
@@ -283,6 +284,9 @@ def install() -> None:
         if loop.deferrals:
             _drain(loop, outputs)
             _drain_on_error(loop)
+            trains = _trains.setdefault(_outermost(loop.graph), [])
+            trains.extend({id(d.decoupled): d.decoupled for d in loop.deferrals
+                           if d.decoupled is not None and d.decoupled not in trains}.values())
         return outputs
 
     while_v2.while_loop = while_loop
@@ -290,6 +294,8 @@ def install() -> None:
 
     @functools.wraps(plain_call)
     def call_flat(self, *args, **kwargs):
+        for decoupled in _trains.get(self._func_graph, ()):  # noqa: SLF001
+            decoupled.trained()
         drains = _drains_on_error.get(self._func_graph)  # noqa: SLF001
         if not drains:
             return plain_call(self, *args, **kwargs)
@@ -450,6 +456,9 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
     reads: dict = {}
     refused = _refused(optimizer, deferral, pairs, reads)
     if refused:
+        if deferral.decoupling:
+            from tfoverlap.horovod.tape_decoupled import refuse_again
+            refuse_again(deferral.variables, refused)
         for index in deferral.deferred:
             _by_gradient.pop(deferral.reduced[index].ref(), None)
         deferral.decision.update(reason=refused, **{deferral.done: 0})
@@ -548,16 +557,21 @@ def _drain_on_error(loop: _Loop) -> None:
     pending (every rank runs out at the same step, as Horovod needs) before the error goes
     on to the program."""
     import tensorflow as tf
-    from tensorflow.python.framework.func_graph import FuncGraph
-    graph = loop.graph
-    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
-        graph = graph.outer_graph
-    drains = _drains_on_error.setdefault(graph, {})
+    drains = _drains_on_error.setdefault(_outermost(loop.graph), {})
     for deferral in loop.deferrals:
         if any(op.type in INPUT_OPS for op in deferral.body.get_operations()):
             pending = (deferral.decoupled or deferral).pending
             drains.setdefault(pending.ref(), tf.function(
                 functools.partial(_TapeDeferral.finish_pending, deferral)))
+
+
+def _outermost(graph):
+    """The function graph that holds ``graph`` (itself where it is one), whose calls run
+    the loop."""
+    from tensorflow.python.framework.func_graph import FuncGraph
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        graph = graph.outer_graph
+    return graph
 
 
 def _unordered(op, reads, writes) -> bool:

@@ -14,7 +14,8 @@ from tfoverlap.log import logger
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "not_converted",
            "keeps_horovods_reduction",
-           "enable_for_functions", "flush_op", "horovods", "substitute_in_horovod"]
+           "enable_for_functions", "flush_op", "horovods", "substitute_in_horovod",
+           "consolidate_optimizer_state"]
 
 #: Horovod's own wrappers, where :func:`substitute_in_horovod` put tfoverlap's in their place
 _horovods: dict = {}
@@ -163,6 +164,20 @@ def flush_op(graph=None):
     deferred."""
     from tfoverlap.horovod.deferred import flush_op as deferred_flush
     return deferred_flush(graph)
+
+
+def consolidate_optimizer_state(session=None) -> bool:
+    """Gathers the whole optimizer state that decoupled reduction shards across the ranks
+    (collective: every rank calls it, after the same train runs or calls), so that a save
+    on one rank (rank 0, as Horovod programs do) writes it whole. ``session``: a graph-mode
+    program's session (:func:`tfoverlap.horovod.decoupled.consolidate_optimizer_state`);
+    None: the tape steps' state, eagerly (:mod:`tfoverlap.horovod.tape_decoupled`).
+    Returns False where nothing is decoupled (nothing to do)."""
+    if session is not None:
+        from tfoverlap.horovod.decoupled import consolidate_optimizer_state as in_session
+        return in_session(session)
+    from tfoverlap.horovod.tape_decoupled import consolidate_all
+    return consolidate_all()
 
 
 def enable_for_functions(carried_out: tuple = ()) -> None:
