@@ -417,7 +417,7 @@ def main(argv=None) -> int:
                              "caramel_cross_step, compute_only); tape: a TF2 custom loop, "
                              "DistributedGradientTape steps in a tf.range loop inside one "
                              "tf.function (keras_worker --loop tape: horovod, "
-                             "horovod_again, autotune, caramel)")
+                             "horovod_again, autotune, caramel, caramel_decoupled)")
     parser.add_argument("--steps-per-execution", type=int, default=4,
                         help="--api keras: compile(steps_per_execution=); --steps is "
                              "then the timed calls of the train function per block")

@@ -24,7 +24,8 @@ A block of a variant is one ``fit`` of ``--calls + 1`` calls of the train functi
 time of each call but the first (from one ``on_train_batch_end`` to the next, so with the
 drain of what its last step left pending) divided by ``steps_per_execution`` is one
 step's time. With ``--loop tape`` the variants are horovod, horovod_again (Horovod's
-tape) and caramel (tfoverlap.horovod's, default options), each a ``tf.function`` of
+tape), caramel (tfoverlap.horovod's, default options) and caramel_decoupled
+(``configure(decouple=True)``), each a ``tf.function`` of
 ``steps_per_execution`` steps in a ``tf.range`` loop; a block is ``--calls + 1`` calls of
 it, each call's time but the first's divided by its steps one step's time. Blocks rotate every round. Rank 0 prints one JSON line shaped like
 :mod:`tfoverlap.bench.allreduce_worker`'s.
@@ -40,7 +41,7 @@ __all__ = ["VARIANTS", "TAPE_VARIANTS", "main"]
 
 VARIANTS = ("horovod", "horovod_again", "autotune", "ddp25", "caramel", "caramel_cross_step",
             "compute_only")
-TAPE_VARIANTS = ("horovod", "horovod_again", "autotune", "caramel")
+TAPE_VARIANTS = ("horovod", "horovod_again", "autotune", "caramel", "caramel_decoupled")
 
 
 def _model(args):
@@ -117,8 +118,9 @@ def _build_tape_loop(variant: str, args, emulation: dict):
         model = _model(args)
         optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
         loss_function = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        if variant == "caramel":
-            tfo_hvd.configure(**emulation)
+        if variant.startswith("caramel"):
+            tfo_hvd.configure(**emulation, **({"decouple": True, "cross_step": False}
+                                              if variant == "caramel_decoupled" else {}))
             wrapper = tfo_hvd.DistributedGradientTape
         else:
             if emulation:
@@ -249,8 +251,11 @@ def main(argv=None) -> int:
                         else (recent_decisions()[decisions_before:] or [None])[-1]) or {}
             summary = {key: value for key, value in summary.items()
                        if key != "allreduces_left_out_names"}
-            caramel[variant] = {**summary, "cross_step": {
-                **decision, "deferred_bytes": decision.get("deferred_mb", 0) * 1e6}}
+            if "decoupled" in decision:
+                caramel[variant] = {**summary, "decouple": decision}
+            else:
+                caramel[variant] = {**summary, "cross_step": {
+                    **decision, "deferred_bytes": decision.get("deferred_mb", 0) * 1e6}}
     build_seconds = time.perf_counter() - began
     times = {variant: [] for variant in variants}
     cpu = {variant: [] for variant in variants}

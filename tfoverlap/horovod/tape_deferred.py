@@ -512,8 +512,9 @@ def _decoupled_update(deferral: _TapeDeferral):
     deferral.traced = len(deferral.body.get_operations())
     deferral.loop.deferrals.append(deferral)
     layouts = deferral.decoupled.layouts
-    deferral.decision.update(decoupled=len(deferral.variables), buckets=len(layouts),
-                             gathers=len(deferral.decoupled.gathers),
+    deferral.decision.update(decoupled=len(deferral.variables),
+                             buckets=[len(layout.members) for layout in layouts],
+                             gathers=[len(chunk) for chunk in deferral.decoupled.gathers],
                              bytes=sum(4 * layout.total for layout in layouts),
                              shard_bytes=sum(4 * layout.shard for layout in layouts))
     _record(deferral)
