@@ -1,7 +1,8 @@
-"""Decoupled reduction for TF2 custom loops (tfoverlap.horovod.tape_decoupled): a
-DistributedGradientTape step in a loop inside one tf.function, reduce-scattered, updated
-on each rank's shard and all-gathered under the next forward pass, against plain
-Horovod on real Gloo ranks (tests/jobs/tape_decoupled.py)."""
+"""Decoupled reduction for TF2 (tfoverlap.horovod.tape_decoupled): a
+DistributedGradientTape step in a loop inside one tf.function, and Keras model.fit with
+several steps per call, reduce-scattered, updated on each rank's shard and all-gathered
+under the next forward pass, against plain Horovod on real Gloo ranks
+(tests/jobs/tape_decoupled.py, tests/jobs/keras_decoupled.py)."""
 import json
 import os
 import sys
@@ -13,18 +14,21 @@ from tfoverlap.testbed.horovod_launch import run_horovod
 from tfoverlap.testbed.network import EmulatedNetwork
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "tape_decoupled.py")
+KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_decoupled.py")
+KERAS_RUNS = ["chain/momentum", "chain/adam", "convnet/adam", "chain/legacy_adam"]
 EXACT = ["chain/sgd", "chain/momentum", "chain/adam", "chain/adamw", "chain/legacy_momentum",
          "chain/legacy_adam", "chain/schedule", "convnet/momentum", "convnet/adam"]
 
 
-def _job_records(directory, ranks: int, steps: int) -> list[dict]:
-    """Each rank's record of every run and variant of the job."""
+def _job_records(directory, ranks: int, steps: int, job: str = JOB,
+                 prefix: str = "rank") -> list[dict]:
+    """Each rank's record of every run and variant of ``job``."""
     with EmulatedNetwork(ranks, loopback=True) as network:
-        result = run_horovod(network, ranks, [sys.executable, JOB], controller="gloo",
+        result = run_horovod(network, ranks, [sys.executable, job], controller="gloo",
                              timeout=900, env={"TAPE_DECOUPLED_RECORDS": str(directory),
                                                "TAPE_DECOUPLED_STEPS": str(steps)})
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-    return [json.loads((directory / f"rank-{rank}.json").read_text())
+    return [json.loads((directory / f"{prefix}-{rank}.json").read_text())
             for rank in range(ranks)]
 
 
@@ -179,3 +183,40 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
                 np.testing.assert_allclose(continued["losses"], straight["losses"], rtol=2e-6)
                 for theirs, mine in zip(straight["weights"], continued["weights"]):
                     np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def keras_records(tmp_path_factory):
+    return _job_records(tmp_path_factory.mktemp("keras_decoupled"), 2, 100, KERAS_JOB,
+                        "keras-rank")
+
+
+@pytest.mark.parametrize("run", KERAS_RUNS)
+def test_keras_fit_decoupled_trains_as_horovod_and_checkpoints_each_epoch_whole(
+        keras_records, run):
+    """2 epochs of 50 steps, 5 per call: the losses and weights callbacks see after each
+    call, the final weights, the whole optimizer state and the step counter are
+    horovod.tensorflow.keras's, bit for bit, on half the state per rank. A ModelCheckpoint
+    on rank 0 alone (TensorFlow's format, each epoch) writes the very checkpoint plain
+    Horovod writes; an .h5 save, which would leave the slots out, is refused."""
+    for rank, record in enumerate(record[run] for record in keras_records):
+        plain, ours = record["horovod"], record["tfoverlap"]
+        assert "error" not in plain and "error" not in ours, (rank, ours.get("error"))
+        assert ours["decision"]["decoupled"] == len(plain["weights"]), ours["decision"]
+        assert ours["decision"]["api"] == "keras"
+        assert ours["warnings"] == [], ours["warnings"]
+        assert len(ours["losses"]) == 20 and ours["losses"] == plain["losses"], rank
+        assert ours["seen"] == plain["seen"], rank
+        assert ours["weights"] == plain["weights"], rank
+        assert ours["slots"] == plain["slots"], rank
+        assert ours["iterations"] == plain["iterations"] == 100
+        padding = 4 * len(ours["decision"]["buckets"]) * len(
+            next(iter(plain["slots"].values())))
+        assert ours["state_bytes"] <= plain["state_bytes"] / 2 + padding
+        if rank == 0:
+            assert sorted(ours["checkpoint"]) == sorted(plain["checkpoint"])
+            assert any("optimizer" in key and ("_variables/2" in key or "SLOT" in key)
+                       for key in plain["checkpoint"])
+            for key, values in plain["checkpoint"].items():
+                assert ours["checkpoint"][key] == values, key
+            assert "TensorFlow's checkpoint format" in ours["h5"], ours["h5"]

@@ -16,6 +16,8 @@ where Caramel's plan predicts ``min_gain``; ``configure(cross_step=False)`` of
 :mod:`tfoverlap.horovod` turns it off. It needs ``compile(steps_per_execution=N)`` with
 N > 1: the reductions of a step's last gradients then run under the next step's forward
 pass within each call, and the call ends with the weights exactly as plain Horovod's.
+``configure(decouple=True)`` decouples those steps instead (reduce-scatter, sharded
+update, all-gather under the next step's forward pass).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     process_set = hvd.global_process_set if process_set is None else process_set
     keeps_horovods = keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op)
     if not keeps_horovods:
-        enable_for_functions(carried_out=("cross_step",))
+        enable_for_functions(carried_out=("cross_step", "decouple"))
     wrapped = horovods(hvd_keras, "DistributedOptimizer")(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=compression, sparse_as_dense=sparse_as_dense,
@@ -51,7 +53,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
         groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
-    if not keeps_horovods and wrapper_option("cross_step", "auto") and process_set.size() > 1:
+    if not keeps_horovods and (wrapper_option("cross_step", "auto")
+                               or wrapper_option("decouple", False)) and process_set.size() > 1:
         keras_deferred.register(wrapped, dict(
             device_dense=device_dense, device_sparse=device_sparse, compression=compression,
             sparse_as_dense=sparse_as_dense, op=op,

@@ -28,6 +28,12 @@ options measured 1.23x over Horovod with 4 steps per call (1.13x in-step). Outsi
 is known to be exact (a gradient changed between the reduction and the update, loss
 scaling, moving averages, XLA, eager runs, one step per call), nothing is deferred and
 one line says why.
+
+With ``configure(decouple=True|"auto")`` the steps of a call are decoupled instead
+(:mod:`tfoverlap.horovod.tape_decoupled`): each step all-gathers what the step before
+updated, reduce-scatters its gradients and updates this rank's shards; the drain
+all-gathers the last step's, and every rank gathers the sharded state at the end of each
+epoch, so that checkpoint callbacks on rank 0 alone write it whole.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ import weakref
 
 from tfoverlap.horovod.pipeline import (Deferral, apply_pending, build_slots, make_buffers,
                                         optimizer_refused, record, reduce_without_cond)
+from tfoverlap.horovod.settings import wrapper_option
 from tfoverlap.log import logger
 
 __all__ = ["install", "register", "decision_for", "deferral_refused"]
@@ -121,9 +128,9 @@ def _base(optimizer):
     return super(type(optimizer), optimizer)
 
 
-def _minimize(optimizer, deferral, loss, var_list, tape):
-    """The step's gradients: the deferred ones stored and marked pending, the others
-    reduced and applied as Horovod would."""
+def _local_gradients(optimizer, loss, var_list, tape):
+    """(gradient, variable) pairs of the step, unreduced (densified where Horovod's
+    reduction would densify them first)."""
     import tensorflow as tf
     tape = tf.GradientTape() if tape is None else tape
     base = _base(optimizer)
@@ -131,12 +138,20 @@ def _minimize(optimizer, deferral, loss, var_list, tape):
         pairs = base._compute_gradients(loss, var_list, None, tape=tape)  # noqa: SLF001
     else:
         pairs = base.compute_gradients(loss, var_list, tape=tape)
-    gradients = [gradient for gradient, _ in pairs]
     if _optimizers[optimizer].get("sparse_as_dense"):
-        # What Horovod's reduction would do first: a dense gradient can wait in a buffer.
-        gradients = [tf.convert_to_tensor(gradient)
-                     if isinstance(gradient, tf.IndexedSlices) else gradient
-                     for gradient in gradients]
+        pairs = [(tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices)
+                  else gradient, variable) for gradient, variable in pairs]
+    return list(pairs)
+
+
+def _minimize(optimizer, deferral, loss, var_list, tape):
+    """The step's gradients: the deferred ones stored and marked pending, the others
+    reduced and applied as Horovod would (decoupled: :func:`_decoupled_update`)."""
+    import tensorflow as tf
+    if deferral.decoupled is not None:
+        return _decoupled_update(optimizer, deferral, loss, var_list, tape)
+    pairs = _local_gradients(optimizer, loss, var_list, tape)
+    gradients = [gradient for gradient, _ in pairs]
     index_of = {variable.ref(): i for i, variable in enumerate(deferral.variables)}
     positions = [index_of.get(variable.ref()) for _, variable in pairs]
     deferred = deferral.deferred
@@ -158,8 +173,23 @@ def _minimize(optimizer, deferral, loss, var_list, tape):
         deferral.buffers[positions[i]].assign(gradients[i])
     if stored:
         deferral.pending.assign(True)
+    if deferral.planning is not None and wrapper_option("decouple", False):
+        return optimizer.iterations     # planning decoupling: the optimizer stays unbuilt
     return optimizer.apply_gradients([(gradient, pairs[i][1])
                                       for i, gradient in zip(kept, reduced)])
+
+
+def _decoupled_update(optimizer, deferral, loss, var_list, tape):
+    """The decoupled step's update (:meth:`TapeDecoupled.update`) of every variable."""
+    import tensorflow as tf
+    by_variable = {variable.ref(): gradient
+                   for gradient, variable in _local_gradients(optimizer, loss, var_list, tape)}
+    gradients = [by_variable.get(variable.ref()) for variable in deferral.variables]
+    if not all(isinstance(gradient, tf.Tensor) for gradient in gradients):
+        raise ValueError("tfoverlap: decouple: this trace of the train step lacks a dense "
+                         "gradient of a decoupled variable, whose optimizer state is "
+                         "sharded; train with configure(decouple=False)")
+    return deferral.decoupled.update(gradients)
 
 
 def _apply_pending(optimizer, deferral) -> list:
@@ -174,19 +204,23 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
     import tensorflow as tf
 
     from tfoverlap.horovod.scheduling import plan_deferral
-    from tfoverlap.horovod.settings import wrapper_option
     mode = wrapper_option("cross_step", "auto")
-    level = logging.WARNING if mode is True else logging.INFO
+    decouple = wrapper_option("decouple", False)
+    level = logging.WARNING if (decouple or mode) is True else logging.INFO
     deferral = Deferral(decision={"mode": "auto" if mode == "auto" else "on", "deferred": 0},
                          variables=list(model.trainable_variables))
     refused = deferral_refused(model, optimizer)
     if refused:
+        if decouple:
+            deferral.decision["decoupled"] = 0
         deferral.decision["reason"] = refused
-        logger.log(level, "tfoverlap: cross_step: %s; nothing deferred", refused)
+        logger.log(level, "tfoverlap: %s: %s; nothing %s", "decouple" if decouple else
+                   "cross_step", refused, "decoupled" if decouple else "deferred")
         return deferral
     deferral.planning = {}
     try:
-        build_slots(optimizer, deferral.variables)
+        if not decouple:
+            build_slots(optimizer, deferral.variables)
         spec = tf.nest.map_structure(lambda value: _batch_spec(value, _fit_batch[0]), data)
         _active.append(deferral)
         try:
@@ -200,6 +234,13 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
                        "traced apart (%s: %s)", type(error).__name__, error)
         return deferral
     own, deferral.planning = deferral.planning, None
+    if decouple:
+        if _decouples(model, optimizer, deferral, graph, own, decouple):
+            return deferral
+        if not mode:
+            return deferral
+        build_slots(optimizer, deferral.variables)
+        deferral.decision = {"mode": "auto" if mode == "auto" else "on", "deferred": 0}
     with tf.init_scope():
         steps = int(model._steps_per_execution.numpy())  # noqa: SLF001 - checked above
     chunks, deferral.decision = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode,
@@ -224,6 +265,40 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
                 deferral.decision.get("predicted_step_ms"),
                 deferral.decision.get("in_step_ms"))
     return deferral
+
+
+def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
+    """Whether ``model.fit``'s steps are decoupled (configure(decouple=...)): planned from
+    the step traced apart, where the program and its optimizer allow it; then ``deferral``
+    holds its TapeDecoupled and the drain. Else one line says why (and the decision is
+    kept for the summary)."""
+    import tensorflow as tf
+
+    from tfoverlap.horovod.scheduling import plan_decoupling
+    from tfoverlap.horovod.tape_decoupled import decoupled_for, reduction_refused, refused
+    level = logging.WARNING if mode is True else logging.INFO
+    variables = deferral.variables
+    refusal = (reduction_refused(_optimizers[optimizer]) or refused(optimizer, variables)
+               or ("" if len(set(own.values())) == len(variables)
+                   else "a gradient is not a dense tensor"))
+    if refusal:
+        buckets, decision = [], {"mode": "auto" if mode == "auto" else "on", "decoupled": 0,
+                                 "reason": refusal}
+    else:
+        buckets, gathers, decision = plan_decoupling(graph.as_graph_def(add_shapes=True),
+                                                     own, len(variables), mode)
+    decision["api"] = "keras"
+    if not buckets:
+        logger.log(level, "tfoverlap: decouple: nothing decoupled: %s", decision.get("reason"))
+        record(decision)
+        return False
+    deferral.decoupled = decoupled_for(optimizer, variables, buckets, gathers,
+                                       _optimizers[optimizer])
+    deferral.decision = {**decision, **deferral.decoupled.summary()}
+    deferral.chunks = deferral.decoupled.chunks
+    deferral.drain = tf.function(deferral.decoupled.gather_pending)
+    deferral.decoupled.say("model.fit", deferral.decision)
+    return True
 
 
 def _batch_spec(value, batch):
@@ -254,7 +329,10 @@ def _pipelined(model, train_step, own_step):
         # the update stays whole for the drain (else it could be cut off part way).
         with tf.control_dependencies([t for t in tf.nest.flatten(data, expand_composites=True)
                                       if isinstance(t, tf.Tensor)]):
-            _apply_pending(model.optimizer, deferral)
+            if deferral.decoupled is not None:
+                deferral.decoupled.gather_pending()
+            else:
+                _apply_pending(model.optimizer, deferral)
         _active.append(deferral)
         try:
             return train_step(data)
@@ -276,6 +354,10 @@ def _drained(model, train_function):
         except tf.errors.OutOfRangeError:
             _drain(model)
             raise
+        finally:
+            decoupled = getattr(_deferrals.get(model), "decoupled", None)
+            if decoupled is not None:
+                decoupled.trained()          # the shards changed: whole values are stale
         _drain(model)
         return outputs
     call.__wrapped__ = train_function
@@ -335,4 +417,16 @@ def install() -> None:
         return handler
 
     data_adapter.get_data_handler = get_data_handler
+    callback_list = tf.keras.callbacks.CallbackList
+    plain_epoch_end = callback_list.on_epoch_end
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Every rank ends the epoch alike: the sharded state is gathered there, so that
+        # a checkpoint callback on rank 0 alone writes it whole.
+        decoupled = getattr(_deferrals.get(getattr(self, "model", None)), "decoupled", None)
+        if decoupled is not None and not decoupled.savable:
+            decoupled.consolidate()
+        return plain_epoch_end(self, epoch, logs)
+
+    callback_list.on_epoch_end = on_epoch_end
     _installed = True

@@ -31,6 +31,7 @@ class Deferral:
     planning: dict | None = None    # while tracing the plan: allreduce name -> index
     drain: object = None
     drain_seconds: list = dataclasses.field(default_factory=list)   # per call, measured
+    decoupled: object = None        # decoupled instead: its TapeDecoupled (tape_decoupled)
 
     @property
     def deferred(self) -> set:

@@ -45,6 +45,7 @@ import weakref
 
 from tfoverlap.horovod.decoupled import BucketLayout, _flat, _padded, _whole_slot_class
 from tfoverlap.horovod.pipeline import build_slots, optimizer_refused
+from tfoverlap.log import logger
 
 __all__ = ["refused", "refuse_again", "reduction_refused", "TapeDecoupled", "decoupled_for",
            "consolidate_all", "whole_slots", "shard_state_bytes", "CONSOLIDATE_FIRST"]
@@ -53,6 +54,7 @@ _built: dict = {}             # the variables' refs -> their TapeDecoupled (howe
 _of_optimizer = weakref.WeakKeyDictionary()     # program optimizer -> its TapeDecoupleds
 _legacy_exposed = weakref.WeakKeyDictionary()   # legacy optimizer -> id(variable) -> slots
 _numbers = itertools.count()
+
 
 def _decouplable_classes() -> tuple:
     import tensorflow as tf
@@ -73,25 +75,35 @@ def reduction_refused(reduction: dict) -> str:
     return ""
 
 
-def refused(optimizer, variables, gradients) -> str:
+def _program_class(optimizer):
+    """The class of the program's ``optimizer`` (the one Horovod's Keras wrapper derives
+    from, where it is one)."""
+    cls = type(optimizer)
+    while cls.__module__.startswith("horovod") and len(cls.__mro__) > 1:
+        cls = cls.__mro__[1]
+    return cls
+
+
+def refused(optimizer, variables, gradients=()) -> str:
     """Why the updates of ``optimizer`` to ``variables`` with the unreduced ``gradients``
-    cannot be decoupled ("" if they can)."""
+    (where given) cannot be decoupled ("" if they can)."""
     import tensorflow as tf
     refusal = optimizer_refused(optimizer)
     if refusal:
         return refusal
-    if type(optimizer) not in _decouplable_classes():
-        return (f"{type(optimizer).__name__}: only Keras' SGD, Adam and AdamW (and legacy "
-                "SGD and Adam) are decoupled")
+    if _program_class(optimizer) not in _decouplable_classes():
+        return (f"{_program_class(optimizer).__name__}: only Keras' SGD, Adam and AdamW "
+                "(and legacy SGD and Adam) are decoupled")
     if getattr(optimizer, "_exclude_from_weight_decay", None) or getattr(
             optimizer, "_exclude_from_weight_decay_names", None):
         return "weight decay that excludes some variables (it goes by the variable)"
-    for variable, gradient in zip(variables, gradients):
+    for variable in variables:
         if variable.dtype.base_dtype != tf.float32:
             return f"{variable.name} is {variable.dtype.base_dtype.name}: only float32 " \
                    "is decoupled"
         if getattr(variable, "constraint", None) is not None:
             return f"{variable.name} has a constraint (it applies to the whole variable)"
+    for variable, gradient in zip(variables, gradients):
         if not isinstance(gradient, tf.Tensor):
             return f"{variable.name}'s gradient is not a dense tensor"
     if variables[0].ref() in _built:
@@ -117,7 +129,7 @@ def refuse_again(variables, refusal: str) -> None:
 
 def _holds_state(optimizer, variables) -> bool:
     """Whether Keras' ``optimizer`` (not legacy) has built its state for ``variables``
-    (a legacy optimizer's slots, restored or built, are taken over: :func:`_take_over`)."""
+    (a legacy optimizer's slots, restored or built, are taken over: :func:`_expose_legacy`)."""
     import tensorflow as tf
     return isinstance(optimizer, tf.keras.optimizers.Optimizer) and bool(
         getattr(optimizer, "_built", False))
@@ -128,7 +140,7 @@ def _shard_optimizer(optimizer):
     its step counter and learning rate, for the shard variables."""
     import tensorflow as tf
     with tf.init_scope():       # the configuration holds the learning rate's value
-        copy = type(optimizer).from_config(optimizer.get_config())
+        copy = _program_class(optimizer).from_config(optimizer.get_config())
         if isinstance(optimizer, tf.keras.optimizers.Optimizer):
             copy._iterations = optimizer.iterations  # noqa: SLF001 - shared, as documented
             copy._variables = [optimizer.iterations]  # noqa: SLF001
@@ -229,6 +241,22 @@ class TapeDecoupled:
             self.pending.assign(True)
         return result
 
+    def summary(self) -> dict:
+        """What was decoupled, as the decision reports it."""
+        return {"decoupled": len(self.variables),
+                "buckets": [len(layout.members) for layout in self.layouts],
+                "gathers": [len(chunk) for chunk in self.gathers],
+                "bytes": sum(4 * layout.total for layout in self.layouts),
+                "shard_bytes": sum(4 * layout.shard for layout in self.layouts)}
+
+    def say(self, where: str, decision: dict) -> None:
+        """The line that says what was decoupled."""
+        logger.info("tfoverlap: decouple: %s: %d gradients reduce-scattered in %d buckets, "
+                    "all-gathered under the next forward pass in %d requests (predicted %s "
+                    "ms a step, Horovod %s ms)", where, len(self.variables), len(self.layouts),
+                    len(self.gathers), decision.get("predicted_step_ms"),
+                    decision.get("horovod_step_ms"))
+
     def slot_variables(self, b) -> dict:
         """The shard optimizer's slots of bucket ``b``'s shard, by slot name."""
         import tensorflow as tf
@@ -320,6 +348,13 @@ CONSOLIDATE_FIRST = (
     "rank after the last train call and before saving on one rank")
 
 
+LISTED_SAVE_REFUSED = (
+    "tfoverlap: decouple: Keras' .keras and .h5 formats save an optimizer's list of "
+    "variables, and a decoupled optimizer's slots are sharded outside it: save in "
+    "TensorFlow's checkpoint format (save_weights to a path without .h5, or "
+    "tf.train.Checkpoint), which holds the whole state, or include_optimizer=False")
+
+
 def decoupled_for(optimizer, variables, buckets, gathers, reduction) -> TapeDecoupled:
     """The shards, shard optimizer and pending flag of ``variables`` (made once: a
     function traced again uses the same ones), and the program optimizer's refusal to be
@@ -390,13 +425,30 @@ def _guard_saves(optimizer) -> None:
         optimizer._track_trackable(ShardedStateGuard(),  # noqa: SLF001 - a tracked child
                                    name="tfoverlap_sharded_state")
 
+    def save_own_variables(store):
+        raise ValueError(LISTED_SAVE_REFUSED)
+
+    # Keras' own formats (.keras, .h5) save the optimizer's variable list, which holds no
+    # slots of the decoupled variables: refused rather than written without them.
+    optimizer.save_own_variables = save_own_variables
+    from keras.src.saving.legacy import hdf5_format
+    plain_h5 = hdf5_format.save_optimizer_weights_to_hdf5_group
+    if not getattr(plain_h5, "tfoverlap", False):
+        def save_optimizer_weights_to_hdf5_group(hdf5_group, saved_optimizer):
+            if _of_optimizer.get(saved_optimizer):
+                raise ValueError(LISTED_SAVE_REFUSED)
+            return plain_h5(hdf5_group, saved_optimizer)
+
+        save_optimizer_weights_to_hdf5_group.tfoverlap = True
+        hdf5_format.save_optimizer_weights_to_hdf5_group = save_optimizer_weights_to_hdf5_group
+
 
 def _plain_order(optimizer, count: int) -> list:
     """(variable index, slot name) of each variable that Keras' ``optimizer`` would make
     for ``count`` variables, in the order of its ``variables[1:]`` (which its checkpoints
     number): found by building a copy of it for stand-ins of one element each."""
     import tensorflow as tf
-    probe = type(optimizer).from_config(optimizer.get_config())
+    probe = _program_class(optimizer).from_config(optimizer.get_config())
     stand_ins = [tf.Variable(tf.zeros([1]), name=f"tfoverlap_probe_{i}") for i in range(count)]
     probe.build(stand_ins)
     suffixes = [f"/{stand_in._shared_name}:0"  # noqa: SLF001 - the optimizer's naming

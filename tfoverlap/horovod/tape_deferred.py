@@ -81,7 +81,6 @@ class _TapeDeferral(Deferral):
     traced: int = 0                 # the body's ops up to the last of the deferral's own
     key: tuple = ()                 # its variables' refs, as _plans keys them
     decoupling: tuple = ()          # decouple's plan: (buckets, all-gather requests)
-    decoupled: object = None        # its TapeDecoupled, once apply_gradients built it
 
     def reduce(self, tensors):
         """``tensors`` reduced as Horovod would, marked as deferred reductions."""
@@ -511,19 +510,9 @@ def _decoupled_update(deferral: _TapeDeferral):
     result = deferral.decoupled.update(deferral.gradients)
     deferral.traced = len(deferral.body.get_operations())
     deferral.loop.deferrals.append(deferral)
-    layouts = deferral.decoupled.layouts
-    deferral.decision.update(decoupled=len(deferral.variables),
-                             buckets=[len(layout.members) for layout in layouts],
-                             gathers=[len(chunk) for chunk in deferral.decoupled.gathers],
-                             bytes=sum(4 * layout.total for layout in layouts),
-                             shard_bytes=sum(4 * layout.shard for layout in layouts))
+    deferral.decision.update(deferral.decoupled.summary())
     _record(deferral)
-    logger.info("tfoverlap: decouple: DistributedGradientTape: %d gradients reduce-scattered "
-                "in %d buckets, all-gathered under the next forward pass in %d requests "
-                "(predicted %s ms a step, Horovod %s ms)", len(deferral.variables),
-                len(layouts), len(deferral.decoupled.gathers),
-                deferral.decision.get("predicted_step_ms"),
-                deferral.decision.get("horovod_step_ms"))
+    deferral.decoupled.say("DistributedGradientTape", deferral.decision)
     return result
 
 
