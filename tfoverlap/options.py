@@ -94,7 +94,8 @@ class Options:
     cross_step:  the Horovod wrappers (graph mode, Keras): reduce the gradients that become
                  ready last under the next step's forward pass. "auto" (default): where
                  the plan predicts a gain of min_gain; true: wherever one fits; false.
-    decouple:    the graph-mode Horovod wrapper: reduce-scatter the gradients, update each
+    decouple:    the Horovod wrappers (graph mode, tape loops in a tf.function, Keras fit
+                 with several steps per call): reduce-scatter the gradients, update each
                  rank's shard, all-gather the parameters under the next forward pass.
                  false (default), "auto" (where the plan, with the halves measured,
                  predicts a gain of min_gain over the other plans) or true.

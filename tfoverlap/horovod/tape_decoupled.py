@@ -106,10 +106,9 @@ def refused(optimizer, variables, gradients=()) -> str:
     for variable, gradient in zip(variables, gradients):
         if not isinstance(gradient, tf.Tensor):
             return f"{variable.name}'s gradient is not a dense tensor"
-    if variables[0].ref() in _built:
-        if _built[variables[0].ref()].program_optimizer is not optimizer:
-            return "the variables are decoupled with another optimizer"
-    elif isinstance(optimizer, tf.keras.optimizers.Optimizer) and _of_optimizer.get(optimizer):
+    if _decoupled_with(optimizer, variables) is not None:
+        return ""
+    if isinstance(optimizer, tf.keras.optimizers.Optimizer) and _of_optimizer.get(optimizer):
         return "the optimizer is decoupled for other variables (Keras' optimizers build once)"
     elif _holds_state(optimizer, variables):
         return ("the optimizer already holds state for the variables (built or stepped "
@@ -117,10 +116,17 @@ def refused(optimizer, variables, gradients=()) -> str:
     return ""
 
 
-def refuse_again(variables, refusal: str) -> None:
-    """Raises where ``variables`` were decoupled before and a step of them is now
+def _decoupled_with(optimizer, variables) -> "TapeDecoupled | None":
+    """What ``optimizer`` decoupled for ``variables`` before, if anything."""
+    decoupled = _built.get(variables[0].ref())
+    return decoupled if decoupled is not None and (
+        decoupled.program_optimizer is optimizer) else None
+
+
+def refuse_again(optimizer, variables, refusal: str) -> None:
+    """Raises where ``optimizer`` decoupled ``variables`` before and a step of them is now
     refused: their optimizer state is in the shards, which plain updates would not use."""
-    if variables[0].ref() in _built:
+    if _decoupled_with(optimizer, variables) is not None:
         raise ValueError(f"tfoverlap: decouple: {variables[0].name} was decoupled in an "
                          f"earlier trace, and this one cannot be ({refusal}); its optimizer "
                          "state is sharded: trace the step alike, or train with "
@@ -268,9 +274,9 @@ class TapeDecoupled:
         return {name: self.optimizer.get_slot(shard, name)
                 for name in self.optimizer.get_slot_names()}
 
-
     def trained(self) -> None:
-        """A call that updates the shards begins: the whole values held are stale."""
+        """A call that updates the shards, counted (its start or end): the whole values
+        held are stale."""
         self.calls += 1
         self.whole = {}
 
@@ -361,7 +367,7 @@ def decoupled_for(optimizer, variables, buckets, gathers, reduction) -> TapeDeco
     saved without its state."""
     import tensorflow as tf
     key = variables[0].ref()
-    if key in _built:
+    if _decoupled_with(optimizer, variables) is not None:
         return _built[key]
     process_set = reduction["process_set"]
     layouts = [BucketLayout.of(bucket, [variables[i].shape.num_elements() for i in bucket],

@@ -457,7 +457,7 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
     if refused:
         if deferral.decoupling:
             from tfoverlap.horovod.tape_decoupled import refuse_again
-            refuse_again(deferral.variables, refused)
+            refuse_again(optimizer, deferral.variables, refused)
         for index in deferral.deferred:
             _by_gradient.pop(deferral.reduced[index].ref(), None)
         deferral.decision.update(reason=refused, **{deferral.done: 0})
