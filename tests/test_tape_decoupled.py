@@ -97,6 +97,20 @@ def test_outside_the_contract_nothing_is_decoupled_one_line_says_why_and_it_is_e
         assert ours["slots"] == plain["slots"]
 
 
+def test_a_new_optimizer_for_decoupled_variables_starts_its_own_sharded_state(records):
+    """Half way, the program trains the same model with a new optimizer (as a recompile
+    does): it is decoupled too, from fresh state, as plain Horovod's new optimizer
+    starts."""
+    for record in records:
+        plain = record["chain/momentum/second_optimizer"]["horovod"]
+        ours = record["chain/momentum/second_optimizer"]["tfoverlap"]
+        assert "error" not in ours and ours["warnings"] == [], ours.get("error")
+        assert ours["losses"] == plain["losses"] and ours["weights"] == plain["weights"]
+        assert ours["slots"] == plain["slots"]
+        assert ours["iterations"] == plain["iterations"] == 50     # calls 2 and 3
+        assert 0 < ours["state_bytes"] <= plain["state_bytes"] / 2 + 4 * 8   # sharded
+
+
 def test_a_read_after_the_update_in_the_loop_stops_the_trace_clearly(records):
     for record in records:
         error = record["chain/momentum/late_read"]["tfoverlap"]["error"]

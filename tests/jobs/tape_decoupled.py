@@ -36,7 +36,8 @@ BATCH = 16
 RUNS = ("chain/sgd", "chain/momentum", "chain/adam", "chain/adamw", "chain/legacy_momentum",
         "chain/legacy_adam", "chain/schedule", "convnet/momentum", "convnet/adam")
 #: patterns of chain/momentum that differ from the plain loop
-PATTERNS = ("input_runs_out", "built_first", "clipped", "late_read", "auto")
+PATTERNS = ("input_runs_out", "built_first", "clipped", "late_read", "auto",
+            "second_optimizer")
 #: runs saved after their first call, and restored (tests/test_tape_decoupled.py)
 CHECKPOINTED = ("chain/momentum", "convnet/adam", "chain/legacy_adam")
 SHARED = os.environ.get("TAPE_DECOUPLED_RECORDS") or tempfile.mkdtemp()
@@ -160,6 +161,10 @@ def train(run, pattern, variant):
         except tf.errors.OutOfRangeError:       # input_runs_out: the program's end of data
             record["losses"].append("out of range")
         record["seen"].append([w.ravel()[:8].tolist() for w in model.get_weights()])
+        if pattern == "second_optimizer" and call == 1:
+            # A new optimizer for the same model after call 1 (a recompile): fresh state.
+            optimizer = optimizer_for(optimizer_name)
+            function = train_function(pattern, model, optimizer, wrapper)
         if RANK == 0:   # rank 0 alone evaluates between calls: no collective may start
             record["rank0_evaluate"].append(
                 float(tf.reduce_sum(model(VALIDATION, training=False))))
