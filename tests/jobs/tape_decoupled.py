@@ -9,8 +9,8 @@ Between calls the program reads the weights, and rank 0 alone evaluates a loss (
 collective may start). Also: patterns outside the contract (refused, trained as Horovod),
 an iterator that runs out, a read after the update (a clear error), "auto", and
 checkpoints written and read with and without decoupling (:func:`checkpointed`). Writes
-one JSON record per rank ($TAPE_DECOUPLED_RECORDS/rank-N.json): per run and variant, the losses, the weights seen between calls, rank 0's
-evaluations, the final weights and whole optimizer slots, the step counter, the bytes of
+one JSON record per rank ($TAPE_DECOUPLED_RECORDS/rank-N.json): per run and variant, the
+losses, the weights seen between calls, rank 0's evaluations, the final weights and whole optimizer slots, the step counter, the bytes of
 optimizer state on this rank, the decisions, tfoverlap's warnings and any error.
 """
 import json

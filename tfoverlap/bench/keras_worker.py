@@ -27,7 +27,8 @@ step's time. With ``--loop tape`` the variants are horovod, horovod_again (Horov
 tape), caramel (tfoverlap.horovod's, default options) and caramel_decoupled
 (``configure(decouple=True)``), each a ``tf.function`` of
 ``steps_per_execution`` steps in a ``tf.range`` loop; a block is ``--calls + 1`` calls of
-it, each call's time but the first's divided by its steps one step's time. Blocks rotate every round. Rank 0 prints one JSON line shaped like
+it, each call's time but the first's divided by its steps one step's time. Blocks rotate
+every round. Rank 0 prints one JSON line shaped like
 :mod:`tfoverlap.bench.allreduce_worker`'s.
 """
 from __future__ import annotations
