@@ -274,19 +274,11 @@ def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
     kept for the summary)."""
     import tensorflow as tf
 
-    from tfoverlap.horovod.scheduling import plan_decoupling
-    from tfoverlap.horovod.tape_decoupled import decoupled_for, reduction_refused, refused
+    from tfoverlap.horovod.tape_decoupled import decoupled_for, plan, refused
     level = logging.WARNING if mode is True else logging.INFO
     variables = deferral.variables
-    refusal = (reduction_refused(_optimizers[optimizer]) or refused(optimizer, variables)
-               or ("" if len(set(own.values())) == len(variables)
-                   else "a gradient is not a dense tensor"))
-    if refusal:
-        buckets, decision = [], {"mode": "auto" if mode == "auto" else "on", "decoupled": 0,
-                                 "reason": refusal}
-    else:
-        buckets, gathers, decision = plan_decoupling(graph.as_graph_def(add_shapes=True),
-                                                     own, len(variables), mode)
+    buckets, gathers, decision = plan(graph, own, len(variables), _optimizers[optimizer],
+                                      mode, refused(optimizer, variables))
     decision["api"] = "keras"
     if not buckets:
         logger.log(level, "tfoverlap: decouple: nothing decoupled: %s", decision.get("reason"))

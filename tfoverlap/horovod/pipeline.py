@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Deferral", "reduce_without_cond", "apply_pending", "build_slots",
+__all__ = ["Deferral", "reduce_without_cond", "apply_pending", "chained_where_pending",
+           "build_slots",
            "make_buffers", "optimizer_refused", "record", "recent_decisions"]
 
 _decisions: list = []       # every cross-step decision of this process, in order
@@ -123,6 +124,21 @@ def make_buffers(deferral: Deferral) -> None:
         deferral.pending = _pending[key]
 
 
+def chained_where_pending(pending, chunks, collect, nothing) -> list[list]:
+    """Per chunk, in order, ``collect(chunk)`` (a collective's outputs) where ``pending``,
+    else ``nothing(chunk)`` (tensors alike); each chunk's collective starts when the one
+    before it has its outputs, so the requests go one after another, first chunk first."""
+    import tensorflow as tf
+    outputs, previous = [], []
+    for chunk in chunks:
+        with tf.control_dependencies(previous):
+            values = tf.cond(pending, lambda chunk=chunk: collect(chunk),
+                             lambda chunk=chunk: nothing(chunk))
+        previous = list(values) if isinstance(values, (list, tuple)) else [values]
+        outputs.append(previous)
+    return outputs
+
+
 def apply_pending(optimizer, deferral: Deferral, reduce) -> list:
     """Reduces (``reduce``: a list of tensors to their deferred reductions) and applies the
     pending deferred gradients, chunk by chunk, at the step count they came from; nothing
@@ -133,19 +149,10 @@ def apply_pending(optimizer, deferral: Deferral, reduce) -> list:
     TensorFlow runs one after another, as they share the optimizer's step counter) and
     the forward pass follow behind."""
     import tensorflow as tf
-    reduced_chunks, previous = [], []
-    for chunk in deferral.chunks:
-        def reduce_chunk(chunk=chunk):
-            return reduce([deferral.buffers[i].read_value() for i in chunk])
-
-        def nothing(chunk=chunk):
-            return [tf.zeros_like(deferral.buffers[i]) for i in chunk]
-
-        with tf.control_dependencies(previous):
-            reduced = tf.cond(deferral.pending, reduce_chunk, nothing)
-        reduced = reduced if isinstance(reduced, (list, tuple)) else [reduced]
-        reduced_chunks.append(reduced)
-        previous = list(reduced)
+    reduced_chunks = chained_where_pending(
+        deferral.pending, deferral.chunks,
+        lambda chunk: reduce([deferral.buffers[i].read_value() for i in chunk]),
+        lambda chunk: [tf.zeros_like(deferral.buffers[i]) for i in chunk])
     updates = []
     for chunk, reduced in zip(deferral.chunks, reduced_chunks):
         def apply(chunk=chunk, reduced=reduced):

@@ -44,11 +44,12 @@ import itertools
 import weakref
 
 from tfoverlap.horovod.decoupled import BucketLayout, _flat, _padded, _whole_slot_class
-from tfoverlap.horovod.pipeline import build_slots, optimizer_refused
+from tfoverlap.horovod.pipeline import build_slots, chained_where_pending, optimizer_refused
 from tfoverlap.log import logger
 
-__all__ = ["refused", "refuse_again", "reduction_refused", "TapeDecoupled", "decoupled_for",
-           "consolidate_all", "whole_slots", "shard_state_bytes", "CONSOLIDATE_FIRST"]
+__all__ = ["plan", "refused", "refuse_again", "reduction_refused", "TapeDecoupled",
+           "decoupled_for", "consolidate_all", "whole_slots", "shard_state_bytes",
+           "CONSOLIDATE_FIRST"]
 
 _built: dict = {}             # the variables' refs -> their TapeDecoupled (however traced)
 _of_optimizer = weakref.WeakKeyDictionary()     # program optimizer -> its TapeDecoupleds
@@ -133,6 +134,22 @@ def refuse_again(optimizer, variables, refusal: str) -> None:
                          "configure(decouple=False) from the start")
 
 
+def plan(graph, own: dict, count: int, reduction: dict, mode,
+         refusal: str = "") -> tuple[list, list, dict]:
+    """(buckets, all-gather requests, decision) for a step of ``count`` gradients traced
+    in ``graph`` (``own``: its HorovodAllreduce names -> gradient indices, the dense ones)
+    and reduced with ``reduction``: decouple's plan, or none with the reason (``refusal``,
+    a reduction that cannot be reduce-scattered, a gradient that is not dense)."""
+    from tfoverlap.horovod.scheduling import plan_decoupling
+    refusal = (refusal or reduction_refused(reduction)
+               or ("" if len(set(own.values())) == count else "a gradient is not a dense "
+                                                              "tensor"))
+    if refusal:
+        return [], [], {"mode": "auto" if mode == "auto" else "on", "decoupled": 0,
+                        "reason": refusal}
+    return plan_decoupling(graph.as_graph_def(add_shapes=True), own, count, mode)
+
+
 def _holds_state(optimizer, variables) -> bool:
     """Whether Keras' ``optimizer`` (not legacy) has built its state for ``variables``
     (a legacy optimizer's slots, restored or built, are taken over: :func:`_expose_legacy`)."""
@@ -191,20 +208,11 @@ class TapeDecoupled:
         import horovod.tensorflow as hvd
         import tensorflow as tf
         ranks = self.process_set.size()
-        gathered, previous = [], []
-        for chunk in self.gathers:
-            def gather(chunk=chunk):
-                return hvd.grouped_allgather([self.shards[b].read_value() for b in chunk],
-                                             process_set=self.process_set)
-
-            def nothing(chunk=chunk):
-                return [tf.zeros([ranks * self.layouts[b].shard]) for b in chunk]
-
-            with tf.control_dependencies(previous):
-                wholes = tf.cond(self.pending, gather, nothing)
-            wholes = wholes if isinstance(wholes, (list, tuple)) else [wholes]
-            gathered.append(wholes)
-            previous = list(wholes)
+        gathered = chained_where_pending(
+            self.pending, self.gathers,
+            lambda chunk: hvd.grouped_allgather([self.shards[b].read_value() for b in chunk],
+                                                process_set=self.process_set),
+            lambda chunk: [tf.zeros([ranks * self.layouts[b].shard]) for b in chunk])
         assigned = []
         for chunk, wholes in zip(self.gathers, gathered):
             def assign(chunk=chunk, wholes=wholes):

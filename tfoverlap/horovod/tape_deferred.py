@@ -212,24 +212,15 @@ def _decouples(deferral: _TapeDeferral, graph, own: dict) -> bool:
     trace, where the reduction allows it; the plan is kept in ``deferral`` for its
     apply_gradients. Else one line says why, and cross-step overlap is planned as
     configured."""
-    from tfoverlap.horovod.scheduling import plan_decoupling
     from tfoverlap.horovod.settings import wrapper_option
-    from tfoverlap.horovod.tape_decoupled import reduction_refused
+    from tfoverlap.horovod.tape_decoupled import plan
     mode = wrapper_option("decouple", False)
     if not mode:
         return False
     level = logging.WARNING if mode is True else logging.INFO
     if deferral.key not in _decouplings:
-        refusal = reduction_refused(deferral.reduction)
-        if not refusal and len(own) < len(deferral.gradients):
-            refusal = "a gradient is not a dense tensor"
-        if refusal:
-            decision = {"mode": "auto" if mode == "auto" else "on", "decoupled": 0,
-                        "reason": refusal}
-            _decouplings[deferral.key] = ([], [], decision)
-        else:
-            _decouplings[deferral.key] = plan_decoupling(graph.as_graph_def(add_shapes=True),
-                                                         own, len(own), mode)
+        _decouplings[deferral.key] = plan(graph, own, len(deferral.gradients),
+                                          deferral.reduction, mode)
     buckets, gathers, decision = _decouplings[deferral.key]
     if not buckets:
         _record(dataclasses.replace(deferral, decision=dict(decision, api="tape")))
