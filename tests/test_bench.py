@@ -165,7 +165,8 @@ def test_bad_horovod_benchmark_options_are_one_line_errors(capsys, argv, message
 def test_horovod_benchmark_worker_end_to_end(tmp_path):
     """One round of the Horovod benchmark's worker on 2 Gloo ranks (loopback): every
     variant is timed, rank 0 reports what Caramel planned, and its traced steps line up
-    with Horovod's timeline into a breakdown."""
+    with Horovod's timeline into a breakdown; a decoupled step's gradients are its
+    reduce-scatters, drawn as such."""
     import json
     import sys
     from tfoverlap.bench.allreduce import traced_breakdowns
@@ -176,13 +177,15 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
     with EmulatedNetwork(2, loopback=True) as network:
         result = run_horovod(network, 2, [
             sys.executable, "-m", "tfoverlap.bench.allreduce_worker", "--model", "transformer",
-            "--batch", "2", "--variants", "horovod,caramel", "--rounds", "1", "--steps", "1",
+            "--batch", "2", "--variants", "horovod,caramel,caramel_decoupled", "--rounds", "1",
+            "--steps", "1",
             "--warmup", "1", "--trace-timeline", timeline, "--traced-steps", "2"],
             controller="gloo", timeout=400, env={"HOROVOD_TIMELINE": "DYNAMIC"})
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
     record = json.loads(next(line for line in result.outputs[0].splitlines()
                              if line.startswith("{")))
-    assert set(record["times"]) == {"horovod", "caramel"}
+    variants = {"horovod", "caramel", "caramel_decoupled"}
+    assert set(record["times"]) == variants
     assert all(len(times) == 1 for times in record["times"].values())
     # The step's plan holds every gradient but those deferred to the next step (cross-step
     # overlap is on by default where the plan predicts a gain).
@@ -190,7 +193,8 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
     deferred = planned.get("cross_step", {}).get("deferred", 0)
     assert planned["allreduces"] + deferred == record["tensors"], planned
     breakdowns, figures = traced_breakdowns(record["traced"], timeline)
-    assert set(breakdowns) == set(figures) == {"horovod", "caramel"}
+    assert set(breakdowns) == set(figures) == variants
+    assert len(record["caramel"]["caramel_decoupled"]["decouple"]["buckets"]) >= 1
     with open(timeline) as stream:
         records = read_timeline(stream.read())
     for variant, part in breakdowns.items():
@@ -210,13 +214,23 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
         # step ended.
         figure = figures[variant]
         assert figure["compute"]
-        reduced = {name for name, begin, length, _ in figure["transfers"]
+        reduced = {name for name, begin, length, *_ in figure["transfers"]
                    if begin >= 0 and begin + length <= figure["seconds"] * 1e6 + 100}
+        operations = {operation for *_, operation in figure["transfers"]}
         if variant == "horovod":
             assert len(reduced) == record["tensors"], variant
-        else:   # deferred reductions may run past the step's end, under the next one
+            assert operations == {"ALLREDUCE"}
+        elif variant == "caramel":   # deferred reductions may run under the next step
             assert len(reduced) >= planned["allreduces"], variant
+        else:   # each bucket reduce-scattered in the step; the gathers follow it
+            decoupled = record["caramel"][variant]["decouple"]
+            assert "REDUCESCATTER" in operations and operations <= {
+                "ALLREDUCE", "REDUCESCATTER", "ALLGATHER"}, operations
+            assert sum(records[name].operation == "REDUCESCATTER"
+                       for name in reduced) >= len(decoupled["buckets"]), decoupled
         assert reduced <= set(records)
+    report.plot_timelines(figures, "transformer", str(tmp_path / "steps.png"))
+    assert (tmp_path / "steps.png").stat().st_size > 10_000
 
 
 def test_keras_benchmark_worker_end_to_end():

@@ -15,13 +15,18 @@ def _timeline(tensors: dict, closed: bool = False) -> str:
 
 def test_a_timeline_gives_each_tensors_phases_on_the_epoch_clock():
     text = _timeline({"grad_a": [("NEGOTIATE_ALLREDUCE", 100, 150), ("ALLREDUCE", 160, 400)],
-                      "grad_b": [("NEGOTIATE_ALLREDUCE", 120, 150), ("ALLREDUCE", 161, 400)]})
+                      "grad_b": [("NEGOTIATE_ALLREDUCE", 120, 150), ("ALLREDUCE", 161, 400)],
+                      "shard_a": [("NEGOTIATE_ALLGATHER", 500, 520), ("ALLGATHER", 530, 600)]})
     for variant in (text, text.rstrip(",") + "]"):      # still being written, or closed
         records = read_timeline(variant)
         assert records["grad_a"].negotiations == [(ORIGIN + 100, ORIGIN + 150)]
         # The nested GLOO_ALLREDUCE is part of the reduction, not a reduction of its own.
         assert records["grad_a"].reductions == [(ORIGIN + 160, ORIGIN + 400)]
         assert records["grad_b"].bytes == 400
+        # Each tensor's collective, for a figure of decoupled reduction's two halves.
+        assert [records[name].operation for name in ("grad_a", "shard_a")] == [
+            "ALLREDUCE", "ALLGATHER"]
+        assert records["shard_a"].reductions == [(ORIGIN + 530, ORIGIN + 600)]
 
 
 @pytest.mark.parametrize("text", [

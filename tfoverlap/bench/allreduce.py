@@ -174,7 +174,8 @@ def run_configuration(model: str, batch: int, bandwidth: float | None, rounds: i
 
 def traced_breakdowns(traced: dict, timeline_path: str) -> tuple[dict, dict]:
     """Per variant, the breakdown of its median traced step (wall seconds) and that step
-    as a figure's lists (compute, and the reductions as transfers; µs since its start)."""
+    as a figure's lists (compute, and the collectives as transfers with their operation;
+    µs since its start)."""
     from tfoverlap.costs.horovod_timeline import read_timeline, step_breakdown
     if not traced:
         return {}, {}
@@ -199,7 +200,8 @@ def traced_breakdowns(traced: dict, timeline_path: str) -> tuple[dict, dict]:
         reductions = sorted({(b, e, name) for name, record in records.items()
                              for b, e in record.reductions if e > start and b < end})
         figures[variant] = {"compute": steps[index]["compute"], "seconds": (end - start) * 1e-6,
-                            "transfers": [[name, b - start, e - b, records[name].bytes]
+                            "transfers": [[name, b - start, e - b, records[name].bytes,
+                                           records[name].operation]
                                           for b, e, name in reductions]}
     return breakdowns, figures
 

@@ -167,7 +167,7 @@ def _traced_steps(built: dict, args) -> dict:
     import tensorflow as tf
 
     import tfoverlap.horovod as tfo_hvd
-    from tfoverlap.costs.trace import step_span, step_timeline
+    from tfoverlap.costs.trace import op_type_starts, step_span, step_timeline
     from tfoverlap.planning.caramel import gradient_submissions
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
                                       output_partition_graphs=True)
@@ -182,10 +182,14 @@ def _traced_steps(built: dict, args) -> dict:
                 metadata = tf.compat.v1.RunMetadata()
                 session.run(fetch, options=options, run_metadata=metadata)
                 start, end = step_span(metadata)
-                ready, reducing = gradient_submissions(metadata)
-                # An AllReduce op lasts until its reduction is done: not compute.
+                ready, collectives = gradient_submissions(metadata)
+                # A collective op lasts until its collective is done, and an op that waits
+                # for a background run's results (cross-step, decoupled) until they
+                # arrive: neither is compute.
+                waiting = collectives | {name for _, name in
+                                         op_type_starts(metadata, ("QueueDequeueV2",))}
                 compute = [entry for entry in step_timeline(metadata, origin=start)["compute"]
-                           if entry[0] not in reducing]
+                           if entry[0] not in waiting]
                 steps.append({"span": [start, end], "ready": ready, "compute": compute})
             flush = tfo_hvd.flush_op(model.graph)   # its last reductions: not the next's
             if flush is not None:

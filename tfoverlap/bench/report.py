@@ -153,10 +153,17 @@ def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
     plt.close(figure)
 
 
+#: a Horovod timeline's collectives as a figure draws them.
+_OPERATION_COLORS = {"ALLREDUCE": "tab:orange", "REDUCESCATTER": "tab:red",
+                     "ALLGATHER": "tab:green"}
+
+
 def plot_timelines(traces: dict[str, dict], title: str, path: str,
                    transfer_label: str = "transfers", dilation: float = 1.0):
     """One step of worker 0 per variant: its transfers (or reductions) and its compute on
-    one time axis; returns the figure (saved to ``path`` and closed).
+    one time axis; returns the figure (saved to ``path`` and closed). A transfer with a
+    fifth field (its collective: ALLREDUCE, REDUCESCATTER, ALLGATHER) is drawn in that
+    collective's colour, with a legend where a figure has more than one.
 
     ``dilation``: the traces' host times are that many times the emulated ones (an
     emulated run); they are drawn divided by it, and the axis says so."""
@@ -166,12 +173,20 @@ def plot_timelines(traces: dict[str, dict], title: str, path: str,
     figure, panels = plt.subplots(len(traces), 1, figsize=(10, 1.8 * len(traces) + 0.6),
                                   sharex=True, squeeze=False)
     ms_per_micro = 1e-3 / dilation
+    operations = sorted({t[4] for trace in traces.values() for t in trace["transfers"]
+                         if len(t) > 4} - {""})
+    colors = {operation: _OPERATION_COLORS.get(operation, "tab:gray")
+              for operation in operations}
     for panel, (variant, trace) in zip(panels[:, 0], traces.items()):
-        transfers = [(start * ms_per_micro, duration * ms_per_micro)
-                     for _, start, duration, _ in trace["transfers"]]
+        by_color = {}
+        for transfer in trace["transfers"]:
+            color = colors.get(transfer[4] if len(transfer) > 4 else "", "tab:orange")
+            by_color.setdefault(color, []).append((transfer[1] * ms_per_micro,
+                                                   transfer[2] * ms_per_micro))
         compute = [(start * ms_per_micro, duration * ms_per_micro)
                    for _, start, duration in trace["compute"]]
-        panel.broken_barh(transfers, (10, 8), facecolors="tab:orange")
+        for color, spans in by_color.items():
+            panel.broken_barh(spans, (10, 8), facecolors=color)
         panel.broken_barh(compute, (0, 8), facecolors="tab:blue")
         panel.set_yticks([4, 14])
         panel.set_yticklabels(["compute", transfer_label])
@@ -181,6 +196,11 @@ def plot_timelines(traces: dict[str, dict], title: str, path: str,
         "ms since the step's first event (worker 0)" if dilation == 1 else
         f"emulated ms since the step's first event (worker 0): host time / dilation "
         f"{dilation:g}")
+    if len(operations) > 1:
+        from matplotlib.patches import Patch
+        panels[0, 0].legend(handles=[Patch(color=colors[o], label=o.lower())
+                                     for o in operations], loc="upper right",
+                            fontsize="x-small")
     figure.suptitle(title, fontsize="medium")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -30,11 +30,14 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "uint8": 1, 
 
 @dataclasses.dataclass
 class TensorRecord:
-    """One tensor's phases in a timeline, in microseconds since the epoch."""
+    """One tensor's phases in a timeline, in microseconds since the epoch. Its
+    ``reductions`` are its collective's runs, whichever the collective (``operation``):
+    an AllReduce, or decoupled reduction's reduce-scatter and all-gather."""
 
     negotiations: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     reductions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     bytes: int = 0
+    operation: str = ""      # its collective: ALLREDUCE, REDUCESCATTER, ALLGATHER, ...
 
 
 def read_timeline(text: str) -> dict[str, TensorRecord]:
@@ -79,6 +82,7 @@ def _records(events: list) -> dict[str, TensorRecord]:
                 record.negotiations.append(interval)
             elif not open_phases[pid]:          # a top-level phase: the whole operation
                 record.reductions.append(interval)
+                record.operation = record.operation or name
                 shape = event.get("args", {}).get("shape")
                 if shape and not record.bytes:
                     dims = [int(d) for d in shape.strip("[]").split(",") if d.strip()]

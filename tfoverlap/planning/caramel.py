@@ -34,13 +34,18 @@ from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradients",
            "bucket_problem", "plan_allreduce", "is_planned_allreduce", "plan_for_graph",
            "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
-           "HOROVOD_REDUCE_OPS", "gradient_submissions", "planning_inputs", "traced_step_breakdown",
+           "HOROVOD_REDUCE_OPS", "HOROVOD_GATHER_OPS", "gradient_submissions",
+           "planning_inputs", "traced_step_breakdown",
            "waited_producers", "DEFERRED_ATTR", "deferred_chunks", "deferred_step",
            "growing_runs", "gradient_gates"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
-#: the op types that hand tensors to Horovod for reduction.
-HOROVOD_REDUCE_OPS = (ALLREDUCE_OP, "HorovodGroupedAllreduce")
+#: the op types that hand gradients to Horovod for reduction: AllReduces, and decoupled
+#: reduction's reduce-scatters.
+HOROVOD_REDUCE_OPS = (ALLREDUCE_OP, "HorovodGroupedAllreduce", "HorovodReducescatter",
+                      "HorovodGroupedReducescatter")
+#: the op types that wait for a Horovod collective other than a reduction.
+HOROVOD_GATHER_OPS = ("HorovodAllgather", "HorovodGroupedAllgather")
 SPLIT_BYTES = 64e6      # gradients larger than this are planned in pieces
 
 
@@ -606,11 +611,13 @@ def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
 
 def gradient_submissions(run_metadata, devices: str = "") -> tuple[list[int], set[str]]:
     """(when each gradient was handed to Horovod in a traced step, µs since the epoch;
-    the names of all its reduce ops). Caramel's plan check reduces at the step's start
-    and is not a gradient."""
+    the names of all its collective ops: reductions and all-gathers, which last until
+    their collective is done). Caramel's plan check reduces at the step's start and is
+    not a gradient."""
     submitted = op_type_starts(run_metadata, HOROVOD_REDUCE_OPS, devices)
+    gathers = op_type_starts(run_metadata, HOROVOD_GATHER_OPS, devices)
     return ([micros for micros, name in submitted if not is_plan_check(name)],
-            {name for _, name in submitted})
+            {name for _, name in submitted + gathers})
 
 
 def traced_step_breakdown(run_metadata, records: dict[str, TensorRecord],
