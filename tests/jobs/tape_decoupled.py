@@ -152,7 +152,12 @@ def train(run, pattern, variant):
     model, optimizer = model_for(model_name), optimizer_for(optimizer_name)
     hvd.broadcast_variables(model.variables, root_rank=0)
     if pattern == "built_first":
+        # Built, restored on rank 0 alone (its slots set there), broadcast.
         optimizer.build(model.trainable_variables)
+        if RANK == 0:
+            for slot in optimizer.variables[1:]:
+                slot.assign(tf.fill(slot.shape, 0.01))
+        hvd.broadcast_variables(optimizer.variables, root_rank=0)
     record = {"losses": [], "seen": [], "rank0_evaluate": []}
     function = train_function(pattern, model, optimizer, wrapper)
     for call in range(CALLS):
@@ -172,6 +177,7 @@ def train(run, pattern, variant):
     record["slots"] = slots_of(model, optimizer, variant)
     record["iterations"] = int(optimizer.iterations)
     record["state_bytes"] = state_bytes(optimizer, variant)
+    record["optimizer_variables"] = len(optimizer_variables(optimizer))
     return record
 
 

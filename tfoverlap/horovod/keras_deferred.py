@@ -33,10 +33,13 @@ With ``configure(decouple=True|"auto")`` the steps of a call are decoupled inste
 (:mod:`tfoverlap.horovod.tape_decoupled`): each step all-gathers what the step before
 updated, reduce-scatters its gradients and updates this rank's shards; the drain
 all-gathers the last step's, and every rank gathers the sharded state at the end of each
-epoch, so that checkpoint callbacks on rank 0 alone write it whole.
+epoch, and at the batch ends where a callback of rank 0 saves every N batches (rank 0
+says where, one flag per call), so that checkpoint callbacks on rank 0 alone write it
+whole.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import time
@@ -421,4 +424,52 @@ def install() -> None:
         return plain_epoch_end(self, epoch, logs)
 
     callback_list.on_epoch_end = on_epoch_end
+    plain_batch_end = callback_list.on_train_batch_end
+
+    def on_train_batch_end(self, batch, logs=None):
+        decoupled = getattr(_deferrals.get(getattr(self, "model", None)), "decoupled", None)
+        if decoupled is not None and _batch_save_due(self, decoupled, batch):
+            decoupled.consolidate()
+        return plain_batch_end(self, batch, logs)
+
+    callback_list.on_train_batch_end = on_train_batch_end
     _installed = True
+
+
+def _saves_by_batch(callback) -> bool:
+    """Whether Keras ``callback`` writes checkpoints every N batches (ModelCheckpoint,
+    BackupAndRestore with an integer ``save_freq``)."""
+    frequency = getattr(callback, "save_freq", None)
+    return isinstance(frequency, int) and not isinstance(frequency, bool) and frequency > 0
+
+
+def _saves_at(callback, batch: int) -> bool:
+    """Whether ``callback`` (saving by batch) writes a checkpoint at the end of ``batch``:
+    its own rule, tried on a copy (ModelCheckpoint, BackupAndRestore); at every batch end
+    for a rule not known."""
+    if hasattr(callback, "_should_save_on_batch"):
+        return bool(copy.copy(callback)._should_save_on_batch(batch))  # noqa: SLF001
+    count = getattr(callback, "_batches_count", None)
+    if isinstance(count, int):          # BackupAndRestore counts the batch ends it saw
+        return count + 1 >= callback.save_freq
+    return True
+
+
+def _batch_save_due(callback_list, decoupled, batch: int) -> bool:
+    """Whether a callback of rank 0 writes a checkpoint at the end of ``batch`` while
+    this rank holds only its shards of the state. Collective, on every rank alike: once
+    per fit a flag from rank 0 (does any of its callbacks save by batch?), and where one
+    does, a flag from rank 0 at each batch end (does one save now?)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    savers = [callback for callback in callback_list.callbacks if _saves_by_batch(callback)]
+    known = callback_list.__dict__.get("_tfoverlap_batch_saves")
+    if known is None:
+        known = bool(int(hvd.broadcast(tf.constant(int(bool(savers))), 0,
+                                       process_set=decoupled.process_set)))
+        callback_list._tfoverlap_batch_saves = known  # noqa: SLF001 - this fit's answer
+    if not known or decoupled.savable:
+        return False
+    due = any(_saves_at(callback, batch) for callback in savers)
+    return bool(int(hvd.broadcast(tf.constant(int(due)), 0,
+                                  process_set=decoupled.process_set)))

@@ -32,9 +32,12 @@ variables carries rank 0's restored state to the others. A save on one rank need
 others' shards: every rank first calls ``tfoverlap.horovod.consolidate_optimizer_state()``
 (a save without it is refused with that remedy named).
 
+An optimizer built (or restored into, or loaded from a .keras file) before its first
+decoupled step hands its state over to the shards then. Keras' .keras format saves and
+loads the whole state as it does without decoupling; its .h5 format is refused.
+
 Where the program or its optimizer does not allow it, nothing is decoupled and one line
-says why (:func:`refused`): among others, a Keras optimizer built before its first
-decoupled step (restore into it unbuilt; legacy optimizers' slots are taken over).
+says why (:func:`refused`).
 """
 from __future__ import annotations
 
@@ -111,9 +114,9 @@ def refused(optimizer, variables, gradients=()) -> str:
         return ""
     if isinstance(optimizer, tf.keras.optimizers.Optimizer) and _of_optimizer.get(optimizer):
         return "the optimizer is decoupled for other variables (Keras' optimizers build once)"
-    elif _holds_state(optimizer, variables):
-        return ("the optimizer already holds state for the variables (built or stepped "
-                "before its first decoupled step; restore a checkpoint into it unbuilt)")
+    elif not _built_for(optimizer, variables):
+        return ("the optimizer was built for other variables before its first decoupled "
+                "step (Keras' optimizers build once)")
     return ""
 
 
@@ -150,12 +153,18 @@ def plan(graph, own: dict, count: int, reduction: dict, mode,
     return plan_decoupling(graph.as_graph_def(add_shapes=True), own, count, mode)
 
 
-def _holds_state(optimizer, variables) -> bool:
-    """Whether Keras' ``optimizer`` (not legacy) has built its state for ``variables``
-    (a legacy optimizer's slots, restored or built, are taken over: :func:`_expose_legacy`)."""
+def _built_for(optimizer, variables) -> bool:
+    """Whether Keras' ``optimizer`` is unbuilt, or built for ``variables`` alone, in their
+    order (then its state is taken over: :func:`_take_over_built`; a legacy optimizer's
+    slots, restored or built, always are: :func:`_expose_legacy`)."""
     import tensorflow as tf
-    return isinstance(optimizer, tf.keras.optimizers.Optimizer) and bool(
-        getattr(optimizer, "_built", False))
+    if not isinstance(optimizer, tf.keras.optimizers.Optimizer) or not getattr(
+            optimizer, "_built", False):
+        return True
+    index = {optimizer._var_key(v): i for i, v in enumerate(variables)}  # noqa: SLF001
+    if optimizer._index_dict != index:  # noqa: SLF001 - what build() was given
+        return False
+    return len(optimizer.variables) == 1 + len(_plain_order(optimizer, len(variables)))
 
 
 def _shard_optimizer(optimizer):
@@ -362,11 +371,11 @@ CONSOLIDATE_FIRST = (
     "rank after the last train call and before saving on one rank")
 
 
-LISTED_SAVE_REFUSED = (
-    "tfoverlap: decouple: Keras' .keras and .h5 formats save an optimizer's list of "
-    "variables, and a decoupled optimizer's slots are sharded outside it: save in "
+H5_SAVE_REFUSED = (
+    "tfoverlap: decouple: Keras' .h5 format saves an optimizer's variables, and a "
+    "decoupled optimizer's slots are sharded outside them: save in the .keras format or "
     "TensorFlow's checkpoint format (save_weights to a path without .h5, or "
-    "tf.train.Checkpoint), which holds the whole state, or include_optimizer=False")
+    "tf.train.Checkpoint), which hold the whole state, or with include_optimizer=False")
 
 
 def decoupled_for(optimizer, variables, buckets, gathers, reduction) -> TapeDecoupled:
@@ -430,31 +439,31 @@ def _guard_saves(optimizer) -> None:
 
     class ShardedStateGuard(trackable.Trackable):
         def _serialize_to_tensors(self):
-            if not all(decoupled.savable for decoupled in _of_optimizer.get(
-                    program_optimizer(), [])):
-                raise ValueError(CONSOLIDATE_FIRST)
+            _check_savable(program_optimizer())
             return {}
 
     if "tfoverlap_sharded_state" not in optimizer._trackable_children():  # noqa: SLF001
         optimizer._track_trackable(ShardedStateGuard(),  # noqa: SLF001 - a tracked child
                                    name="tfoverlap_sharded_state")
-
-    def save_own_variables(store):
-        raise ValueError(LISTED_SAVE_REFUSED)
-
-    # Keras' own formats (.keras, .h5) save the optimizer's variable list, which holds no
-    # slots of the decoupled variables: refused rather than written without them.
-    optimizer.save_own_variables = save_own_variables
+    # Keras' .h5 format saves the optimizer's variables by name, which hold no slots of
+    # the decoupled variables: refused rather than written without them.
     from keras.src.saving.legacy import hdf5_format
     plain_h5 = hdf5_format.save_optimizer_weights_to_hdf5_group
     if not getattr(plain_h5, "tfoverlap", False):
         def save_optimizer_weights_to_hdf5_group(hdf5_group, saved_optimizer):
             if _of_optimizer.get(saved_optimizer):
-                raise ValueError(LISTED_SAVE_REFUSED)
+                raise ValueError(H5_SAVE_REFUSED)
             return plain_h5(hdf5_group, saved_optimizer)
 
         save_optimizer_weights_to_hdf5_group.tfoverlap = True
         hdf5_format.save_optimizer_weights_to_hdf5_group = save_optimizer_weights_to_hdf5_group
+
+
+def _check_savable(optimizer) -> None:
+    """Raises :data:`CONSOLIDATE_FIRST` where this rank holds only its shards of
+    ``optimizer``'s decoupled state."""
+    if not all(decoupled.savable for decoupled in _of_optimizer.get(optimizer, [])):
+        raise ValueError(CONSOLIDATE_FIRST)
 
 
 def _plain_order(optimizer, count: int) -> list:
@@ -462,9 +471,11 @@ def _plain_order(optimizer, count: int) -> list:
     for ``count`` variables, in the order of its ``variables[1:]`` (which its checkpoints
     number): found by building a copy of it for stand-ins of one element each."""
     import tensorflow as tf
-    probe = _program_class(optimizer).from_config(optimizer.get_config())
-    stand_ins = [tf.Variable(tf.zeros([1]), name=f"tfoverlap_probe_{i}") for i in range(count)]
-    probe.build(stand_ins)
+    with tf.init_scope():       # the configuration holds the learning rate's value
+        probe = _program_class(optimizer).from_config(optimizer.get_config())
+        stand_ins = [tf.Variable(tf.zeros([1]), name=f"tfoverlap_probe_{i}")
+                     for i in range(count)]
+        probe.build(stand_ins)
     suffixes = [f"/{stand_in._shared_name}:0"  # noqa: SLF001 - the optimizer's naming
                 for stand_in in stand_ins]
     order = []
@@ -476,13 +487,40 @@ def _plain_order(optimizer, count: int) -> list:
     return order
 
 
+def _take_over_built(optimizer, decoupled, order) -> None:
+    """Keras' ``optimizer`` built for the decoupled variables before their first decoupled
+    step (an explicit build, a restore into it built, a .keras model loaded): its slots'
+    values go into the shards (and are held whole until the next train call, for a save
+    or Horovod's broadcast), and its slot variables are let go, so that it looks as the
+    decoupled optimizer that was never built."""
+    if not getattr(optimizer, "_built", False):
+        return
+    slots = list(optimizer.variables[1:])
+    for entry, slot in zip(order, slots):
+        if entry is not None:
+            i, name = entry
+            b = next(b for b, layout in enumerate(decoupled.layouts) if i in layout.members)
+            decoupled.restore_whole(b, i, name, slot.read_value())
+    held = {id(slot) for slot in slots}
+    for attribute, value in list(vars(optimizer).items()):     # _momentums, _velocities...
+        if attribute != "_variables" and isinstance(value, list) and value and all(
+                id(v) in held for v in value):
+            setattr(optimizer, attribute, [])
+    optimizer._variables = [optimizer.iterations]  # noqa: SLF001 - as never built
+    optimizer._index_dict = {}  # noqa: SLF001
+    optimizer._built = False  # noqa: SLF001
+
+
 def _expose_listed(optimizer, decoupled, wholes) -> None:
-    """Keras' optimizer: its checkpoints number its variables (``_variables/k``)."""
+    """Keras' optimizer: its checkpoints number its variables (``_variables/k``), and so
+    do its .keras saves."""
     from tensorflow.python.trackable import base as trackable
     listed = {"0": optimizer.iterations}
-    for k, entry in enumerate(_plain_order(optimizer, len(decoupled.variables)), start=1):
+    order = _plain_order(optimizer, len(decoupled.variables))
+    for k, entry in enumerate(order, start=1):
         if entry is not None:
             listed[str(k)] = wholes[entry]
+    _take_over_built(optimizer, decoupled, order)
 
     class ListedState(trackable.Trackable):
         """The optimizer's ``_variables`` as a checkpoint of it without decoupling holds
@@ -501,10 +539,43 @@ def _expose_listed(optimizer, decoupled, wholes) -> None:
         return children
 
     optimizer._trackable_children = trackable_children  # noqa: SLF001
+    _save_listed_as_keras(optimizer, listed)
     waiting = optimizer._variables._deferred_dependencies  # noqa: SLF001 - read before
     for name in [name for name in waiting if name in listed and name != "0"]:
         for position in waiting.pop(name):
             position.restore(listed[name])
+
+
+def _save_listed_as_keras(optimizer, listed: dict) -> None:
+    """Makes Keras' .keras format save and load ``optimizer``'s variables as it does
+    without decoupling (``listed``: its checkpoint numbering, the step counter and the
+    whole slots), which Keras reads back into an optimizer it built (its state is then
+    taken over at the first decoupled step)."""
+    import tensorflow as tf
+    from tensorflow.python.trackable import base as trackable
+    key = trackable.VARIABLE_VALUE_KEY
+    program_optimizer = weakref.ref(optimizer)
+
+    def save_own_variables(store):
+        _check_savable(program_optimizer())
+        for k, value in listed.items():
+            saved = value if k == "0" else value._serialize_to_tensors()[key]  # noqa: SLF001
+            store[k] = saved.numpy()
+
+    def load_own_variables(store):
+        if sorted(store.keys()) != sorted(listed):
+            logger.warning("tfoverlap: decouple: %s not loaded: the saved optimizer has %d "
+                           "variables, this one %d", program_optimizer().name,
+                           len(store.keys()), len(listed))
+            return
+        for k, value in listed.items():
+            if k == "0":
+                value.assign(store[k])
+            else:
+                value._restore_from_tensors({key: tf.constant(store[k])})  # noqa: SLF001
+
+    optimizer.save_own_variables = save_own_variables
+    optimizer.load_own_variables = load_own_variables
 
 
 def _expose_legacy(optimizer, decoupled, wholes) -> None:
