@@ -204,10 +204,11 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
         assert part["tail"] == pytest.approx(part["tail_ring"] + part["tail_wait"]
                                              + part["after_last_reduction"], abs=1e-9)
         assert part["requests"] >= 1 and 0 < part["ring"] <= part["step"]
-        if variant == "horovod" or not deferred:
+        if variant == "horovod" or variant == "caramel" and not deferred:
             # A step that reduces only its own gradients cannot beat the in-step bound; a
             # cross-step one can (the previous step's reductions run before its first
-            # gradient), which is what deferral is for.
+            # gradient), which is what deferral is for, and so can a decoupled one (the
+            # previous step's all-gathers).
             assert part["in_step_bound"] <= part["step"] * (1 + 1e-9)
         # The clocks line up: every tensor of the model (but a deferred one) is reduced
         # inside the figure's step, after its gradient reached Horovod and before the
