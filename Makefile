@@ -15,7 +15,7 @@ STAMP_SYSTEM  := $(VENV)/.stamp-system
 STAMP_PYTHON  := $(VENV)/.stamp-python
 STAMP_HOROVOD := $(VENV)/.stamp-horovod
 STAMP_PACKAGE := $(VENV)/.stamp-tfoverlap
-PACKAGE_SOURCES := setup.py $(wildcard native/*.cc) $(wildcard tfoverlap/*.py tfoverlap/*/*.py)
+PACKAGE_SOURCES := setup.py pyproject.toml $(wildcard native/*.cc) $(wildcard tfoverlap/*.py tfoverlap/*/*.py)
 
 .PHONY: all setup demo test clean distclean
 all: setup
