@@ -74,12 +74,14 @@ def _refused(rate, compression, optimizer="GradientDescentOptimizer") -> str:
     """Why an ``optimizer`` with learning rate ``rate`` ("tensor": a constant tensor) and
     one dense gradient reduced with ``compression`` would not be deferred."""
     import tensorflow as tf
+    from tfoverlap.horovod.contract import reduction_of
     from tfoverlap.horovod.deferred import deferral_refused
     with tf.Graph().as_default():
         weight = tf.compat.v1.get_variable("w", [2], use_resource=True)
         optimizer = getattr(tf.compat.v1.train, optimizer)(
             tf.constant(0.1) if isinstance(rate, str) else rate)
-        return deferral_refused(optimizer, [weight], [tf.ones([2])], compression)
+        return deferral_refused(optimizer, [weight], [tf.ones([2])],
+                                reduction_of(compression=compression))
 
 
 @pytest.mark.parametrize("rate", [0.1, np.float32(0.1), np.array(0.1), lambda: 0.1,

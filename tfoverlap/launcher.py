@@ -210,18 +210,14 @@ def summary_line() -> str:
     from tfoverlap.passes.base import recent_reports
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     ordered, planned, declined, failed = {}, {}, [], 0
-    pipeline = sys.modules.get("tfoverlap.horovod.pipeline")
-    decisions = list(pipeline.recent_decisions()) if pipeline else []
+    registry = sys.modules.get("tfoverlap.horovod.decisions")
+    decisions = list(registry.recent_decisions()) if registry else []
     cross_step = [decision for decision in decisions if "decoupled" not in decision]
     decoupled = [decision for decision in decisions if "decoupled" in decision]
     for report in recent_reports():
         failed += report.reverted
         for entry in report.passes:
             summary = entry.summary
-            if entry.name == "caramel" and summary.get("cross_step"):
-                cross_step.append(summary["cross_step"])
-            if entry.name == "caramel" and summary.get("decouple"):
-                decoupled.append(summary["decouple"])
             if entry.name == "tictac" and summary.get("ordering_edges"):
                 ordered[report.item_id] = summary["transfers"]
             elif entry.name == "caramel" and summary.get("buckets"):

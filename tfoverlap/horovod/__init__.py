@@ -28,11 +28,18 @@ steps of the gradients in a private copy of the graph,
 :mod:`tfoverlap.integrations.warmup_profile`), else from TensorFlow's FLOP counts over a
 measured matrix-product rate. Rank 0's measurements, profile and host facts (compute
 threads, Horovod's cycle) are used by every rank so that all ranks plan alike.
+
+:func:`decisions` says, for every wrapped optimizer (graph mode), tape step and Keras
+train function, which mechanism runs, what it deferred, the predicted and in-step step,
+and why a mechanism asked for was declined. What each mechanism can carry out (``op``,
+compression, groups, ...) is decided by rules written once for every API
+(:mod:`tfoverlap.horovod.contract`).
 """
 from __future__ import annotations
 
 import sys
 
+from tfoverlap.horovod.decisions import Decision, decisions
 from tfoverlap.horovod.measure import host_facts, measure_flops, measure_network, warmup_profile
 from tfoverlap.horovod.settings import caramel_options, configure, network_model
 from tfoverlap.horovod.wrappers import (DistributedGradientTape, DistributedOptimizer,
@@ -40,7 +47,7 @@ from tfoverlap.horovod.wrappers import (DistributedGradientTape, DistributedOpti
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "measure_network",
            "measure_flops", "host_facts", "network_model", "caramel_options", "flush_op",
-           "warmup_profile", "consolidate_optimizer_state"]
+           "warmup_profile", "consolidate_optimizer_state", "decisions", "Decision"]
 
 if "tensorflow" in sys.modules:
     # A tape step's loop may be traced before its first tape is made: hook loops now.

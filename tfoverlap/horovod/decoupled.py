@@ -50,6 +50,7 @@ from tfoverlap.horovod.deferred import (DEFERRABLE_OPTIMIZERS, arrival_queue,
                                         deferral_refused, mark_deferred, not_reduced_alone,
                                         pending_summaries, register_pending, stage_results,
                                         staged_apply)
+from tfoverlap.horovod.patching import patch, unpatched
 from tfoverlap.log import logger
 
 __all__ = ["decoupling_refused", "decouple_updates", "decoupling_summary",
@@ -61,16 +62,16 @@ _states = weakref.WeakKeyDictionary()    # graph -> its ShardedStates
 _exposed = weakref.WeakKeyDictionary()   # optimizer -> (slot key, slot name) -> WholeSlot
 
 
-def decoupling_refused(optimizer, variables, reduced, compression) -> str:
-    """Why updates of ``optimizer`` to ``variables`` with the ``reduced`` gradients cannot
-    be decoupled ("" if they can)."""
-    import horovod.tensorflow as hvd
+def decoupling_refused(optimizer, variables, reduced, reduction: dict) -> str:
+    """Why updates of ``optimizer`` to ``variables`` with the ``reduced`` gradients (what
+    Horovod's ``reduction`` returned) cannot be decoupled ("" if they can)."""
     import tensorflow as tf
-    refused = deferral_refused(optimizer, variables, reduced, compression)
+
+    from tfoverlap.horovod.contract import decoupling_refused_by_reduction
+    refused = (deferral_refused(optimizer, variables, reduced, reduction)
+               or decoupling_refused_by_reduction(reduction))
     if refused:
         return refused
-    if compression is not hvd.Compression.none:
-        return "compression: only uncompressed gradients are reduce-scattered"
     odd = next((v for v in variables if v.dtype.base_dtype != tf.float32), None)
     if odd is not None:
         return f"{odd.op.name} is {odd.dtype.base_dtype.name}: only float32 is decoupled"
@@ -127,7 +128,7 @@ def _padded(tensors, length: int):
 
 
 def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buckets,
-                     gathers, apply_in_step, process_set,
+                     gathers, apply_in_step, reduction: dict,
                      refusal_level: int = logging.WARNING):
     """Builds the step of ``optimizer`` (wrapped by Horovod) decoupled; returns its train
     op (None, with one line at ``refusal_level``, where it cannot be).
@@ -136,7 +137,9 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
     ``reduced[i]`` and ``allreduces[i]`` are pair ``i``'s unreduced gradient, reduced
     gradient and HorovodAllreduce op (left unrun). ``buckets``: lists of pair indices in
     the order the backward pass makes them; ``gathers``: lists of bucket indices, first
-    needed first. ``apply_in_step(pairs)`` is the wrapped optimizer's apply_gradients."""
+    needed first. ``apply_in_step(pairs)`` is the wrapped optimizer's apply_gradients;
+    ``reduction``: Horovod's reduction arguments (its op and process set are the
+    reduce-scatter's)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
     from tensorflow.python.ops.data_flow_ops import StagingArea
@@ -147,6 +150,7 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
         return None
     if sorted(i for bucket in buckets for i in bucket) != list(range(len(pairs))):
         raise ValueError("the buckets must hold every pair once")
+    process_set = reduction["process_set"]
     ranks, rank = process_set.size(), process_set.rank()
     variables = [variable for _, variable in pairs]
     layouts = [BucketLayout.of(bucket, [variables[i].shape.num_elements() for i in bucket],
@@ -195,7 +199,7 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
         shard_gradients, shard_variables, loads = [], [], []
         for b, layout in enumerate(layouts):
             flat = _padded([local[i] for i in layout.members], ranks * layout.shard)
-            shard_gradients.append(hvd.reducescatter(flat, op=hvd.Average,
+            shard_gradients.append(hvd.reducescatter(flat, op=reduction["op"],
                                                      name=f"tfoverlap_scatter{b}",
                                                      process_set=process_set))
             with tf.compat.v1.init_scope():
@@ -569,70 +573,81 @@ def _install_session_saves() -> None:
     - a session that closes after training, on every rank alike, consolidates before its
       hooks end, so the final save holds the state of the last step."""
     from tensorflow.python.training import basic_session_run_hooks, monitored_session
+    saver_hook = basic_session_run_hooks.CheckpointSaverHook
+    patch(saver_hook, "_save", _postponing_saves)
+    patch(saver_hook, "after_run", _saving_postponed_after_run)
+    patch(saver_hook, "end", _saving_postponed_at_end)
+    patch(monitored_session._MonitoredSession, "_close_internal",  # noqa: SLF001
+          _consolidating_at_close)
+
+
+def _request_consolidation(session) -> None:
+    """Asks for the state to be gathered: after the background run in flight, the next
+    one reads the request, and every rank gathers the state there."""
+    from tfoverlap.horovod.deferred import join_reductions
+    join_reductions()
+    session.run([state.request for state in _states[session.graph]])
+
+
+def _save_postponed(hook, session):
+    """The postponed save, where the state is whole now (None, and asked for again, where
+    it is not); its step counts as the timer's last."""
+    from tensorflow.python.training import basic_session_run_hooks
 
     from tfoverlap.horovod.deferred import join_reductions
-    saver_hook = basic_session_run_hooks.CheckpointSaverHook
-    if getattr(saver_hook._save, "_tfoverlap", False):  # noqa: SLF001
-        return
-    plain_save, plain_after_run = saver_hook._save, saver_hook.after_run  # noqa: SLF001
-    plain_end = saver_hook.end
-    session_class = monitored_session._MonitoredSession  # noqa: SLF001
-    plain_close = session_class._close_internal  # noqa: SLF001
+    join_reductions()                       # the background run consolidated
+    if not _savable(session):
+        _request_consolidation(session)
+        return None
+    hook._tfoverlap_postponed = False  # noqa: SLF001
+    step = session.run(hook._global_step_tensor)  # noqa: SLF001
+    hook._timer.update_last_triggered_step(step)  # noqa: SLF001
+    plain_save = unpatched(basic_session_run_hooks.CheckpointSaverHook._save)  # noqa: SLF001
+    return plain_save(hook, session, step)
 
-    def request(session):
-        # After the background run in flight: the next one reads the request, and every
-        # rank gathers the state there.
-        join_reductions()
-        session.run([state.request for state in _states[session.graph]])
 
-    def save_postponed(hook, session):
-        """The postponed save, where the state is whole now (None, and asked for again,
-        where it is not); its step counts as the timer's last."""
-        join_reductions()                       # the background run consolidated
-        if not _savable(session):
-            request(session)
-            return None
-        hook._tfoverlap_postponed = False  # noqa: SLF001
-        step = session.run(hook._global_step_tensor)  # noqa: SLF001
-        hook._timer.update_last_triggered_step(step)  # noqa: SLF001
-        return plain_save(hook, session, step)
-
+def _postponing_saves(plain_save):
     def save(self, session, step):
         if _savable(session):
             return plain_save(self, session, step)
-        request(session)
+        _request_consolidation(session)
         self._tfoverlap_postponed = True  # noqa: SLF001
         logger.info("tfoverlap: decouple: the checkpoint due at step %d waits one step for "
                     "the sharded optimizer state to be gathered on every rank", step)
         return False
+    return save
 
+
+def _saving_postponed_after_run(plain_after_run):
     def after_run(self, run_context, run_values):
         if getattr(self, "_tfoverlap_postponed", False):
-            saved = save_postponed(self, run_context.session)
+            saved = _save_postponed(self, run_context.session)
             if saved is not None:
                 if saved:
                     run_context.request_stop()
                 return None
         return plain_after_run(self, run_context, run_values)
+    return after_run
 
+
+def _saving_postponed_at_end(plain_end):
     def end(self, session):
         # A save postponed at the last step: the close has gathered the state.
-        if getattr(self, "_tfoverlap_postponed", False) and save_postponed(
+        if getattr(self, "_tfoverlap_postponed", False) and _save_postponed(
                 self, session) is None:
             logger.warning("tfoverlap: decouple: the final checkpoint was not written: the "
                            "optimizer state is sharded and was not gathered at the close")
         return plain_end(self, session)
+    return end
 
+
+def _consolidating_at_close(plain_close):
     def close_internal(self, exception_type=None):
         session = getattr(self._coordinated_creator, "tf_sess", None)  # noqa: SLF001
         if exception_type is None and session is not None and not _savable(session):
             consolidate_optimizer_state(session)
         return plain_close(self, exception_type)
-
-    save._tfoverlap = True  # noqa: SLF001
-    saver_hook._save = save  # noqa: SLF001
-    saver_hook.after_run, saver_hook.end = after_run, end
-    session_class._close_internal = close_internal  # noqa: SLF001
+    return close_internal
 
 
 def consolidate_optimizer_state(session) -> bool:

@@ -39,6 +39,7 @@ import logging
 import threading
 import weakref
 
+from tfoverlap.horovod.patching import MARKER, patch
 from tfoverlap.log import logger
 
 __all__ = ["deferral_refused", "reducing_allreduce", "defer_updates", "flush_op",
@@ -84,12 +85,12 @@ _lock = threading.RLock()
 _JOIN_SECONDS = 120
 
 
-def deferral_refused(optimizer, variables, reduced, compression) -> str:
+def deferral_refused(optimizer, variables, reduced, reduction: dict) -> str:
     """Why updates of ``optimizer`` to ``variables`` with the ``reduced`` gradients (what
-    Horovod's reduction with ``compression`` returned for each) cannot be deferred ("" if
-    they can)."""
-    import horovod.tensorflow as hvd
+    Horovod's ``reduction`` returned for each) cannot be deferred ("" if they can)."""
     import tensorflow as tf
+
+    from tfoverlap.horovod.contract import deferral_refused_by_reduction
     name = type(optimizer).__name__
     if name not in DEFERRABLE_OPTIMIZERS:
         return (f"{name}: only {', '.join(DEFERRABLE_OPTIMIZERS)} are deferred (their "
@@ -98,9 +99,9 @@ def deferral_refused(optimizer, variables, reduced, compression) -> str:
     if any(not isinstance(v, tf.Variable) or not hasattr(v, "handle") or
            v.handle.dtype != tf.resource for v in variables):
         return "some variables are not resource variables"
-    if compression not in (hvd.Compression.none, hvd.Compression.fp16):
-        return (f"compression {getattr(compression, '__name__', compression)}: only "
-                "Horovod's none and fp16 are known to reduce a stored gradient exactly")
+    refused = deferral_refused_by_reduction(reduction)
+    if refused:
+        return refused
     for gradient, variable in zip(reduced, variables):
         if gradient is None:
             return (f"{variable.op.name} has no gradient (the loss does not reach it): leave "
@@ -534,23 +535,31 @@ def _after_run(session, fetched_ops, fed_tensors) -> None:
 
 def _install_session_hooks() -> None:
     """Hooks TensorFlow's session (once per process): new ops get their waits before a
-    session first sees them, and a run that stored deferred gradients starts their
-    reduction when it returns."""
-    from tensorflow.python.client import pywrap_tf_session as tf_session
+    session first sees them, a run that stored deferred gradients starts their reduction
+    when it returns, and a close waits for the reductions in flight."""
     from tensorflow.python.client import session as session_lib
     base = session_lib.BaseSession
-    if getattr(base._extend_graph, "_tfoverlap", False):  # noqa: SLF001
+    if hasattr(base.close, MARKER):
         return
-    extend_graph, call_run = base._extend_graph, base._call_tf_sessionrun  # noqa: SLF001
-    make_callable = base._make_callable_from_options  # noqa: SLF001
-    close = base.close
+    patch(base, "_extend_graph", _guarding_new_ops)
+    patch(base, "_call_tf_sessionrun", _reducing_after_run)
+    patch(base, "_make_callable_from_options", _reducing_after_callable)
+    patch(base, "close", _joining_reductions)
+    atexit.register(join_reductions)
 
+
+def _guarding_new_ops(extend_graph):
     def _extend_graph(self):
         state = _graphs.get(self._graph)  # noqa: SLF001
         if state is not None:
             with _lock:
                 _guard_new_ops(self._graph, state)  # noqa: SLF001
         return extend_graph(self)
+    return _extend_graph
+
+
+def _reducing_after_run(call_run):
+    from tensorflow.python.client import pywrap_tf_session as tf_session
 
     def _call_tf_sessionrun(self, options, feed_dict, fetch_list, target_list,
                             run_metadata):
@@ -562,7 +571,10 @@ def _install_session_hooks() -> None:
                    for output in feed_dict]
             _after_run(self, fetched, fed)
         return result
+    return _call_tf_sessionrun
 
+
+def _reducing_after_callable(make_callable):
     def _make_callable_from_options(self, callable_options):
         run = make_callable(self, callable_options)
         if _graphs.get(self._graph) is None:  # noqa: SLF001
@@ -576,17 +588,14 @@ def _install_session_hooks() -> None:
             _after_run(self, fetched, fed)
             return result
         return call
+    return _make_callable_from_options
 
+
+def _joining_reductions(close):
     def close_after_reductions(self):
         join_reductions(self)
         return close(self)
-
-    _extend_graph._tfoverlap = True  # noqa: SLF001
-    base.close = close_after_reductions
-    base._extend_graph = _extend_graph  # noqa: SLF001
-    base._call_tf_sessionrun = _call_tf_sessionrun  # noqa: SLF001
-    base._make_callable_from_options = _make_callable_from_options  # noqa: SLF001
-    atexit.register(join_reductions)
+    return close_after_reductions
 
 
 def deferral_summary(graph) -> dict:

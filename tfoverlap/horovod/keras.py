@@ -22,11 +22,11 @@ update, all-gather under the next step's forward pass).
 from __future__ import annotations
 
 from tfoverlap.horovod import keras_deferred
-from tfoverlap.horovod.settings import wrapper_option
-from tfoverlap.horovod.wrappers import (enable_for_functions, horovods,
-                                        keeps_horovods_reduction, not_converted)
+from tfoverlap.horovod.contract import keeps_horovods_reduction, reduction_of
+from tfoverlap.horovod.settings import configure, wrapper_option
+from tfoverlap.horovod.wrappers import enable_for_functions, horovods, not_converted
 
-__all__ = ["DistributedOptimizer", "cross_step_decision"]
+__all__ = ["DistributedOptimizer", "configure", "decisions", "cross_step_decision"]
 
 
 @not_converted
@@ -38,36 +38,42 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     """``horovod.tensorflow.keras.DistributedOptimizer`` with Caramel's schedule (same
     arguments). Explicit groups, gradient accumulation and Adasum keep Horovod's own
     reduction, with a warning."""
-    import horovod.tensorflow as hvd
     import horovod.tensorflow.keras as hvd_keras
-    compression = hvd.Compression.none if compression is None else compression
-    op = hvd.Average if op is None else op
-    process_set = hvd.global_process_set if process_set is None else process_set
-    keeps_horovods = keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op)
+    reduction = reduction_of(device_dense, device_sparse, compression, sparse_as_dense, op,
+                             gradient_predivide_factor, process_set, backward_passes_per_step,
+                             groups, num_groups)
+    keeps_horovods = keeps_horovods_reduction(reduction)
     if not keeps_horovods:
         enable_for_functions(carried_out=("cross_step", "decouple"))
     wrapped = horovods(hvd_keras, "DistributedOptimizer")(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
-        compression=compression, sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        compression=reduction["compression"], sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=reduction["op"],
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+        groups=groups, process_set=reduction["process_set"],
+        scale_local_gradients=scale_local_gradients)
     if not keeps_horovods and (wrapper_option("cross_step", "auto")
-                               or wrapper_option("decouple", False)) and process_set.size() > 1:
-        keras_deferred.register(wrapped, dict(
-            device_dense=device_dense, device_sparse=device_sparse, compression=compression,
-            sparse_as_dense=sparse_as_dense, op=op,
-            gradient_predivide_factor=gradient_predivide_factor, process_set=process_set))
+                               or wrapper_option("decouple", False)) \
+            and reduction["process_set"].size() > 1:
+        keras_deferred.register(wrapped, reduction)
         keras_deferred.install()
     return wrapped
 
 
 def cross_step_decision(model) -> dict | None:
-    """What cross-step overlap decided for ``model.fit``'s train function: mode, how many
+    """What was decided for ``model.fit``'s train function, as a dict: mode, how many
     gradients were deferred (and their MB), the predicted and in-step step in ms, and the
-    reason where nothing was deferred; None before the train function's first trace."""
+    reason where nothing was deferred; None before the train function's first trace. (An
+    alias kept from before :func:`tfoverlap.horovod.decisions`, which reports every API.)"""
     return keras_deferred.decision_for(model)
+
+
+def decisions():
+    """:func:`tfoverlap.horovod.decisions`: what was decided for every wrapped optimizer
+    and step of this process, Keras train functions among them."""
+    from tfoverlap.horovod.decisions import decisions as every_decision
+    return every_decision()
 
 
 def __getattr__(name: str):

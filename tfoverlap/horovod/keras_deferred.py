@@ -45,8 +45,11 @@ import sys
 import time
 import weakref
 
+from tfoverlap.horovod.contract import deferral_refused_by_reduction
+from tfoverlap.horovod.decisions import record
+from tfoverlap.horovod.patching import patch
 from tfoverlap.horovod.pipeline import (Deferral, apply_pending, build_slots, make_buffers,
-                                        optimizer_refused, record, reduce_without_cond)
+                                        optimizer_refused, reduce_without_cond)
 from tfoverlap.horovod.settings import wrapper_option
 from tfoverlap.log import logger
 
@@ -56,7 +59,6 @@ _deferrals = weakref.WeakKeyDictionary()    # Keras model -> Deferral
 _optimizers = weakref.WeakKeyDictionary()   # optimizer -> its Horovod reduction arguments
 _active: list = []                          # the Deferral of the step being traced
 _fit_batch = [None]                         # the batch size of the last Keras data handler
-_installed = False
 
 
 def decision_for(model) -> dict | None:
@@ -78,7 +80,8 @@ def decision_for(model) -> dict | None:
 def deferral_refused(model, optimizer) -> str:
     """Why ``model.fit`` with ``optimizer`` cannot defer ("" if it can)."""
     import tensorflow as tf
-    refused = optimizer_refused(optimizer)
+    refused = (optimizer_refused(optimizer)
+               or deferral_refused_by_reduction(_optimizers[optimizer]))
     if refused:
         return refused
     if getattr(optimizer, "_local_vars", None):
@@ -119,7 +122,7 @@ def _reduce(optimizer, gradients, deferred: bool):
     """Horovod's reduction of ``gradients`` as plain HorovodAllreduce ops (those Horovod's
     cond holds), marked as deferred ones where ``deferred``."""
     from tfoverlap.horovod.deferred import mark_deferred, reducing_allreduce
-    reduced = reduce_without_cond(gradients, **_optimizers[optimizer])
+    reduced = reduce_without_cond(gradients, _optimizers[optimizer])
     if deferred:
         for tensor in reduced:
             mark_deferred(reducing_allreduce(tensor))
@@ -285,7 +288,8 @@ def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
     decision["api"] = "keras"
     if not buckets:
         logger.log(level, "tfoverlap: decouple: nothing decoupled: %s", decision.get("reason"))
-        record(decision)
+        record(decision, "keras", key=weakref.ref(model), name=model.name)
+        deferral.decision = decision
         return False
     deferral.decoupled = decoupled_for(optimizer, variables, buckets, gathers,
                                        _optimizers[optimizer])
@@ -317,7 +321,9 @@ def _pipelined(model, train_step, own_step):
         deferral = _deferrals.get(model)
         if deferral is None:
             deferral = _deferrals[model] = _plan(model, model.optimizer, train_step, data)
-            record(deferral.decision)
+            model_ref = weakref.ref(model)
+            record(lambda: None if model_ref() is None else decision_for(model_ref()), "keras",
+                   key=model_ref, name=model.name)
         if not deferral.chunks:
             return train_step(data)
         # Once the step has its data: where the input runs out the step does nothing, and
@@ -369,14 +375,20 @@ def _drain(model) -> None:
 
 def install() -> None:
     """Makes Keras' ``Model.make_train_function`` build the pipelined step and the drain
-    for models compiled with a registered optimizer (others are left as they are)."""
-    global _installed
-    if _installed:
-        return
+    for models compiled with a registered optimizer (others are left as they are), and
+    Keras' callbacks gather a decoupled state where a save may follow."""
     import tensorflow as tf
-    model_class = tf.keras.Model
-    plain_make = model_class.make_train_function
+    patch(tf.keras.Model, "make_train_function", _making_train_function)
+    # Keras' fit makes its data handler (which knows the batch size) before it makes and
+    # first calls the train function.
+    patch(sys.modules[tf.keras.Model.__module__].data_adapter, "get_data_handler",
+          _noting_batch_size)
+    patch(tf.keras.callbacks.CallbackList, "on_epoch_end", _consolidating_at_epoch_end)
+    patch(tf.keras.callbacks.CallbackList, "on_train_batch_end",
+          _consolidating_before_batch_saves)
 
+
+def _making_train_function(plain_make):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
@@ -395,13 +407,10 @@ def install() -> None:
         function = plain_make(self, force)
         self.train_function = _drained(self, function)
         return self.train_function
+    return make_train_function
 
-    model_class.make_train_function = make_train_function
-    # Keras' fit makes its data handler (which knows the batch size) before it makes and
-    # first calls the train function.
-    data_adapter = sys.modules[model_class.__module__].data_adapter
-    plain_handler = data_adapter.get_data_handler
 
+def _noting_batch_size(plain_handler):
     def get_data_handler(*args, **kwargs):
         handler = plain_handler(*args, **kwargs)
         adapter = getattr(handler, "_adapter", None)
@@ -410,11 +419,10 @@ def install() -> None:
         except Exception:  # noqa: BLE001 - an adapter that cannot tell: static shapes
             _fit_batch[0] = None
         return handler
+    return get_data_handler
 
-    data_adapter.get_data_handler = get_data_handler
-    callback_list = tf.keras.callbacks.CallbackList
-    plain_epoch_end = callback_list.on_epoch_end
 
+def _consolidating_at_epoch_end(plain_epoch_end):
     def on_epoch_end(self, epoch, logs=None):
         # Every rank ends the epoch alike: the sharded state is gathered there, so that
         # a checkpoint callback on rank 0 alone writes it whole.
@@ -422,18 +430,16 @@ def install() -> None:
         if decoupled is not None and not decoupled.savable:
             decoupled.consolidate()
         return plain_epoch_end(self, epoch, logs)
+    return on_epoch_end
 
-    callback_list.on_epoch_end = on_epoch_end
-    plain_batch_end = callback_list.on_train_batch_end
 
+def _consolidating_before_batch_saves(plain_batch_end):
     def on_train_batch_end(self, batch, logs=None):
         decoupled = getattr(_deferrals.get(getattr(self, "model", None)), "decoupled", None)
         if decoupled is not None and _batch_save_due(self, decoupled, batch):
             decoupled.consolidate()
         return plain_batch_end(self, batch, logs)
-
-    callback_list.on_train_batch_end = on_train_batch_end
-    _installed = True
+    return on_train_batch_end
 
 
 def _saves_by_batch(callback) -> bool:

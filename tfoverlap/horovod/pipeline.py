@@ -13,10 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["Deferral", "reduce_without_cond", "apply_pending", "chained_where_pending",
-           "build_slots",
-           "make_buffers", "optimizer_refused", "record", "recent_decisions"]
+           "build_slots", "make_buffers", "optimizer_refused"]
 
-_decisions: list = []       # every cross-step decision of this process, in order
 _buffers: dict = {}         # variable ref -> its buffer (one per variable, however traced)
 _pending: dict = {}         # tuple of the deferred variables' refs -> their pending flag
 
@@ -39,22 +37,12 @@ class Deferral:
         return {index for chunk in self.chunks for index in chunk}
 
 
-def record(decision: dict) -> None:
-    """Keeps ``decision`` for :func:`recent_decisions` (tfoverlap run's summary line)."""
-    _decisions.append(decision)
-
-
-def recent_decisions() -> list[dict]:
-    """The cross-step decisions of this process's train functions and tape loops (first
-    traces), oldest first."""
-    return [dict(decision) for decision in _decisions]
-
-
-def reduce_without_cond(grads, device_dense, device_sparse, compression, sparse_as_dense,
-                        op, gradient_predivide_factor, process_set):
-    """Horovod's gradient reduction as plain ops (what Horovod's cond holds)."""
+def reduce_without_cond(grads, reduction: dict):
+    """Horovod's gradient reduction as plain ops (what Horovod's cond holds), with the
+    arguments of ``reduction`` (:func:`tfoverlap.horovod.contract.reduction_of`)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
+    op, gradient_predivide_factor = reduction["op"], reduction["gradient_predivide_factor"]
     if op == hvd.Average and gradient_predivide_factor != 1.0:
         prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
     else:
@@ -64,12 +52,13 @@ def reduce_without_cond(grads, device_dense, device_sparse, compression, sparse_
         if grad is None:
             reduced.append(None)
             continue
-        if sparse_as_dense and isinstance(grad, tf.IndexedSlices):
+        if reduction["sparse_as_dense"] and isinstance(grad, tf.IndexedSlices):
             grad = tf.convert_to_tensor(grad)
-        reduced.append(hvd.allreduce(grad, device_dense=device_dense,
-                                     device_sparse=device_sparse, compression=compression,
-                                     op=op, prescale_factor=prescale,
-                                     postscale_factor=postscale, process_set=process_set))
+        reduced.append(hvd.allreduce(grad, device_dense=reduction["device_dense"],
+                                     device_sparse=reduction["device_sparse"],
+                                     compression=reduction["compression"], op=op,
+                                     prescale_factor=prescale, postscale_factor=postscale,
+                                     process_set=reduction["process_set"]))
     return reduced
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 from tfoverlap.horovod.measure import EMULATION_OPTIONS, warmup_profile
 from tfoverlap.horovod.settings import caramel_options, decoupled_network, wrapper_option
 from tfoverlap.log import logger
 
 __all__ = ["schedule_in_place", "defer_and_schedule", "plan_deferral",
-           "decouple_and_schedule", "plan_decoupling"]
+           "decouple_and_schedule", "plan_decoupling", "record_graph_decision"]
 
 
 def schedule_in_place(graph, gradients=(), cross_step: dict | None = None,
@@ -81,10 +82,25 @@ def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, va
         if not decision["deferred"]:
             decision["reason"] = "outside the contract (see the log line before)"
     else:
-        logger.info("tfoverlap: cross_step: nothing deferred: %s", decision.get("reason"))
+        logger.log(_decline_level(mode), "tfoverlap: cross_step: nothing deferred: %s",
+                   decision.get("reason"))
         train = apply_in_step(grads_and_vars)
+    record_graph_decision(optimizer, decision, "cross_step")
     schedule_in_place(graph, gradients, cross_step=decision, decouple=decouple)
     return train
+
+
+def _decline_level(mode) -> int:
+    """A mechanism asked for (True) that declines says so in a warning; "auto" in a line."""
+    return logging.WARNING if mode is True else logging.INFO
+
+
+def record_graph_decision(optimizer, decision: dict, mechanism: str) -> None:
+    """Keeps what ``mechanism`` decided for the graph-mode ``optimizer``
+    (:func:`tfoverlap.horovod.decisions`)."""
+    from tfoverlap.horovod.decisions import record
+    record(decision, "graph", key=weakref.ref(optimizer), name=optimizer.get_name(),
+           mechanism=mechanism)
 
 
 def plan_deferral(graph_def, own: dict, mode,
@@ -141,7 +157,7 @@ def plan_deferral(graph_def, own: dict, mode,
 
 
 def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, variables,
-                          reduced, allreduces, gradients, process_set):
+                          reduced, allreduces, gradients, reduction):
     """decouple: builds the step with the gradients reduce-scattered, each rank's shard
     updated and the parameters all-gathered under the next forward pass
     (:mod:`tfoverlap.horovod.decoupled`), where the plan and the program allow it; else
@@ -160,14 +176,16 @@ def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads,
         train = decouple_updates(optimizer, grads_and_vars, _aligned(grads, reduced_at),
                                  _aligned(reduced, reduced_at),
                                  _aligned(allreduces, reduced_at), buckets, gathers,
-                                 apply_in_step, process_set,
+                                 apply_in_step, reduction,
                                  logging.WARNING if mode is True else logging.INFO)
     elif buckets:
         decision["reason"] = "a gradient given to apply_gradients was not reduced"
     if train is None:
         decision["decoupled"] = 0
         decision.setdefault("reason", "outside the contract (see the log line before)")
-        logger.info("tfoverlap: decouple: nothing decoupled: %s", decision["reason"])
+        logger.log(_decline_level(mode), "tfoverlap: decouple: nothing decoupled: %s",
+                   decision["reason"])
+        record_graph_decision(optimizer, decision, "decouple")
         cross_step = wrapper_option("cross_step", "auto")
         if cross_step:
             return defer_and_schedule(optimizer, grads_and_vars, apply_in_step, cross_step,
@@ -176,6 +194,7 @@ def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads,
         train = apply_in_step(grads_and_vars)
     else:
         decision["decoupled"] = decoupling_summary(graph).get("decoupled", 0)
+    record_graph_decision(optimizer, decision, "decouple")
     schedule_in_place(graph, [] if decision["decoupled"] else gradients,
                       decouple=decision)
     return train

@@ -46,11 +46,13 @@ import functools
 import itertools
 import weakref
 
+from tfoverlap.horovod.contract import decoupling_refused_by_reduction
 from tfoverlap.horovod.decoupled import BucketLayout, _flat, _padded, _whole_slot_class
 from tfoverlap.horovod.pipeline import build_slots, chained_where_pending, optimizer_refused
+from tfoverlap.horovod.patching import patch
 from tfoverlap.log import logger
 
-__all__ = ["plan", "refused", "refuse_again", "reduction_refused", "TapeDecoupled",
+__all__ = ["plan", "refused", "refuse_again", "TapeDecoupled",
            "decoupled_for", "consolidate_all", "whole_slots", "shard_state_bytes",
            "CONSOLIDATE_FIRST"]
 
@@ -64,19 +66,6 @@ def _decouplable_classes() -> tuple:
     import tensorflow as tf
     keras = tf.keras.optimizers
     return (keras.SGD, keras.Adam, keras.AdamW, keras.legacy.SGD, keras.legacy.Adam)
-
-
-def reduction_refused(reduction: dict) -> str:
-    """Why gradients reduced with Horovod's ``reduction`` arguments cannot be
-    reduce-scattered instead ("" if they can)."""
-    import horovod.tensorflow as hvd
-    if reduction["compression"] is not hvd.Compression.none:
-        return "compression: only uncompressed gradients are reduce-scattered"
-    if reduction["op"] not in (hvd.Average, hvd.Sum):
-        return "only Horovod's Average and Sum are reduce-scattered"
-    if reduction["gradient_predivide_factor"] != 1.0:
-        return "gradient_predivide_factor: only unscaled reductions are reduce-scattered"
-    return ""
 
 
 def _program_class(optimizer):
@@ -144,7 +133,7 @@ def plan(graph, own: dict, count: int, reduction: dict, mode,
     and reduced with ``reduction``: decouple's plan, or none with the reason (``refusal``,
     a reduction that cannot be reduce-scattered, a gradient that is not dense)."""
     from tfoverlap.horovod.scheduling import plan_decoupling
-    refusal = (refusal or reduction_refused(reduction)
+    refusal = (refusal or decoupling_refused_by_reduction(reduction)
                or ("" if len(set(own.values())) == count else "a gradient is not a dense "
                                                               "tensor"))
     if refusal:
@@ -448,15 +437,15 @@ def _guard_saves(optimizer) -> None:
     # Keras' .h5 format saves the optimizer's variables by name, which hold no slots of
     # the decoupled variables: refused rather than written without them.
     from keras.src.saving.legacy import hdf5_format
-    plain_h5 = hdf5_format.save_optimizer_weights_to_hdf5_group
-    if not getattr(plain_h5, "tfoverlap", False):
-        def save_optimizer_weights_to_hdf5_group(hdf5_group, saved_optimizer):
-            if _of_optimizer.get(saved_optimizer):
-                raise ValueError(H5_SAVE_REFUSED)
-            return plain_h5(hdf5_group, saved_optimizer)
+    patch(hdf5_format, "save_optimizer_weights_to_hdf5_group", _refusing_h5_saves)
 
-        save_optimizer_weights_to_hdf5_group.tfoverlap = True
-        hdf5_format.save_optimizer_weights_to_hdf5_group = save_optimizer_weights_to_hdf5_group
+
+def _refusing_h5_saves(plain_h5):
+    def save_optimizer_weights_to_hdf5_group(hdf5_group, saved_optimizer):
+        if _of_optimizer.get(saved_optimizer):
+            raise ValueError(H5_SAVE_REFUSED)
+        return plain_h5(hdf5_group, saved_optimizer)
+    return save_optimizer_weights_to_hdf5_group
 
 
 def _check_savable(optimizer) -> None:
@@ -628,11 +617,13 @@ def _install_broadcast_hook() -> None:
     (``optimizer.variables``) carry the root's whole state where the root holds it (a
     checkpoint restored there alone), as it carries a plain optimizer's slots."""
     import horovod.tensorflow as hvd
-    import tensorflow as tf
     from horovod.tensorflow import functions
-    plain = functions.broadcast_variables
-    if getattr(plain, "tfoverlap", False):
-        return
+    patch(functions, "broadcast_variables", _broadcasting_whole_state)
+    hvd.broadcast_variables = functions.broadcast_variables
+
+
+def _broadcasting_whole_state(plain):
+    import tensorflow as tf
 
     @functools.wraps(plain)
     def broadcast_variables(variables, root_rank, *args, **kwargs):
@@ -644,9 +635,7 @@ def _install_broadcast_hook() -> None:
                 if id(decoupled.program_optimizer.iterations) in counters:
                     decoupled.broadcast_state(root_rank)
         return result
-
-    broadcast_variables.tfoverlap = True
-    functions.broadcast_variables = hvd.broadcast_variables = broadcast_variables
+    return broadcast_variables
 
 
 def consolidate_all() -> bool:

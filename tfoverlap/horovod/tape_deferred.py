@@ -36,8 +36,11 @@ import functools
 import logging
 import weakref
 
+from tfoverlap.horovod.contract import deferral_refused_by_reduction
+from tfoverlap.horovod.decisions import record
+from tfoverlap.horovod.patching import MARKER, patch
 from tfoverlap.horovod.pipeline import (Deferral, apply_pending, build_slots, make_buffers,
-                                        optimizer_refused, record, reduce_without_cond)
+                                        optimizer_refused, reduce_without_cond)
 from tfoverlap.log import info_once, logger, warn_once
 
 __all__ = ["attach", "install"]
@@ -53,10 +56,8 @@ _by_gradient: dict = {}                      # reduced gradient (ref) -> its _Ta
 _unordered_reads = weakref.WeakKeyDictionary()   # graph -> names of reads ACD leaves alone
 _plans: dict = {}                            # the variables' refs -> (chunks, decision)
 _drains_on_error = weakref.WeakKeyDictionary()   # function graph -> pending ref -> drain
-_recorded: dict = {}                         # the variables' refs -> the last decision kept
 _decouplings: dict = {}                      # the variables' refs -> decouple's first plan
 _trains = weakref.WeakKeyDictionary()        # function graph -> the shards its calls update
-_installed = False
 
 
 @dataclasses.dataclass
@@ -85,7 +86,7 @@ class _TapeDeferral(Deferral):
     def reduce(self, tensors):
         """``tensors`` reduced as Horovod would, marked as deferred reductions."""
         from tfoverlap.horovod.deferred import mark_deferred, reducing_allreduce
-        reduced = reduce_without_cond(tensors, **self.reduction)
+        reduced = reduce_without_cond(tensors, self.reduction)
         for tensor in reduced:
             mark_deferred(reducing_allreduce(tensor))
         return reduced
@@ -168,7 +169,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
         return plain(grads, variables, use_generic_names)
     if key in _plans and not _plans[key][0]:      # decided on the first trace: nothing
         return plain(grads, variables, use_generic_names)
-    reduced = reduce_without_cond(grads, **reduction)
+    reduced = reduce_without_cond(grads, reduction)
     deferral = _TapeDeferral(decision={"mode": "auto" if mode == "auto" else "on",
                                        "deferred": 0, "api": "tape"},
                              variables=list(variables), body=graph, loop=loop, level=level,
@@ -189,7 +190,10 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
         # The first trace decides for the process: a function traced again (TensorFlow
         # traces twice where a first trace made variables) must make the same steps on
         # every rank, and may not make buffers.
-        _plans[key] = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode)
+        refused = deferral_refused_by_reduction(reduction)
+        _plans[key] = (([], {"mode": deferral.decision["mode"], "deferred": 0,
+                             "reason": refused}) if refused else
+                       plan_deferral(graph.as_graph_def(add_shapes=True), own, mode))
     chunks, decision = _plans[key]
     deferral.decision.update(decision, api="tape")
     deferred = sum(len(chunk) for chunk in chunks)
@@ -239,9 +243,7 @@ def _decouples(deferral: _TapeDeferral, graph, own: dict) -> bool:
 def _record(deferral: _TapeDeferral) -> None:
     """Keeps ``deferral``'s decision for tfoverlap run's summary, once for a step that
     TensorFlow traces again and that decides alike."""
-    if _recorded.get(deferral.key) != deferral.decision:
-        _recorded[deferral.key] = dict(deferral.decision)
-        record(deferral.decision)
+    record(dict(deferral.decision), "tape", key=deferral.key)
 
 
 def _say(level: int, message: str, option: str = "cross_step") -> None:
@@ -249,18 +251,23 @@ def _say(level: int, message: str, option: str = "cross_step") -> None:
 
 
 def install() -> None:
-    """Hooks the end of while loops (for the drain) and TensorFlow's automatic control
-    dependencies (for the reads); cheap, and idle where nothing is deferred. The hooks must
-    be in place before a loop's trace begins: ``tfoverlap.horovod`` installs them when
-    imported after TensorFlow."""
-    global _installed
-    if _installed:
-        return
-    import tensorflow as tf
+    """Hooks the end of while loops (for the drain), the calls of concrete functions (for
+    a drain where the input runs out) and TensorFlow's automatic control dependencies
+    (for the reads); cheap, and idle where nothing is deferred. The hooks must be in
+    place before a loop's trace begins: ``tfoverlap.horovod`` installs them when imported
+    after TensorFlow."""
     from tensorflow.python.eager.polymorphic_function import concrete_function
     from tensorflow.python.framework import auto_control_deps
     from tensorflow.python.ops import while_v2
-    plain_while = while_v2.while_loop
+    if hasattr(while_v2.while_loop, MARKER):
+        return
+    patch(while_v2, "while_loop", _draining_loops)
+    patch(concrete_function.ConcreteFunction, "_call_flat", _draining_on_error)
+    auto_control_deps.register_acd_resource_resolver(_unordered)
+
+
+def _draining_loops(plain_while):
+    import tensorflow as tf
 
     @functools.wraps(plain_while)
     def while_loop(*args, **kwargs):
@@ -278,9 +285,11 @@ def install() -> None:
             trains.extend({id(d.decoupled): d.decoupled for d in loop.deferrals
                            if d.decoupled is not None and d.decoupled not in trains}.values())
         return outputs
+    return while_loop
 
-    while_v2.while_loop = while_loop
-    plain_call = concrete_function.ConcreteFunction._call_flat  # noqa: SLF001
+
+def _draining_on_error(plain_call):
+    import tensorflow as tf
 
     @functools.wraps(plain_call)
     def call_flat(self, *args, **kwargs):
@@ -296,10 +305,7 @@ def install() -> None:
                 for drain in drains.values():
                     drain()
             raise
-
-    concrete_function.ConcreteFunction._call_flat = call_flat  # noqa: SLF001
-    auto_control_deps.register_acd_resource_resolver(_unordered)
-    _installed = True
+    return call_flat
 
 
 def _forget(loop: _Loop) -> None:
@@ -322,15 +328,12 @@ def _intercept_optimizers() -> None:
     deferrable gradients (once)."""
     import tensorflow as tf
     for optimizer_class in (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer):
-        if not getattr(optimizer_class.apply_gradients, "tfoverlap_deferring", False):
-            _intercept(optimizer_class)
+        patch(optimizer_class, "apply_gradients", _deferring_apply)
 
 
-def _intercept(optimizer_class) -> None:
-    """``optimizer_class.apply_gradients``, deferring where it gets a tape's deferrable
-    gradients."""
+def _deferring_apply(plain_apply):
+    """``apply_gradients``, deferring where it gets a tape's deferrable gradients."""
     import tensorflow as tf
-    plain_apply = optimizer_class.apply_gradients
 
     @functools.wraps(plain_apply)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
@@ -341,9 +344,7 @@ def _intercept(optimizer_class) -> None:
         return _defer(self, deferral, pairs,
                       lambda kept: plain_apply(self, kept, *args, **kwargs))
 
-    apply_gradients = tf.autograph.experimental.do_not_convert(apply_gradients)
-    apply_gradients.tfoverlap_deferring = True
-    optimizer_class.apply_gradients = apply_gradients
+    return tf.autograph.experimental.do_not_convert(apply_gradients)
 
 
 def _claimed(pairs) -> _TapeDeferral | None:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import logging
 
+from tfoverlap.horovod.contract import keeps_horovods_reduction, reduction_of
 from tfoverlap.horovod.pipeline import reduce_without_cond
-from tfoverlap.horovod.scheduling import (decouple_and_schedule, defer_and_schedule,
-                                          schedule_in_place)
+from tfoverlap.horovod.scheduling import (record_graph_decision, decouple_and_schedule,
+                                          defer_and_schedule, schedule_in_place)
 from tfoverlap.horovod.settings import caramel_options, wrapper_option, wrapper_options
 from tfoverlap.log import logger
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "not_converted",
-           "keeps_horovods_reduction",
            "enable_for_functions", "flush_op", "horovods", "substitute_in_horovod",
            "consolidate_optimizer_state"]
 
@@ -46,21 +46,6 @@ def not_converted(function):
     return function
 
 
-def keeps_horovods_reduction(groups, num_groups: int, backward_passes_per_step: int,
-                             op) -> bool:
-    """Whether an optimizer wrapper must leave the reduction to Horovod (explicit groups,
-    gradient accumulation, Adasum), saying so in one warning."""
-    import horovod.tensorflow as hvd
-    unsupported = [reason for reason, present in (
-        ("explicit groups", groups is not None or num_groups),
-        ("backward_passes_per_step > 1", backward_passes_per_step > 1),
-        ("Adasum", op == hvd.Adasum)) if present]
-    if unsupported:
-        logger.warning("tfoverlap: %s: Horovod's own reduction is used, without Caramel",
-                       ", ".join(unsupported))
-    return bool(unsupported)
-
-
 @not_converted
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
                          device_sparse="", compression=None, sparse_as_dense=False,
@@ -75,17 +60,18 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     """
     import horovod.tensorflow as hvd
     import tensorflow as tf
-    compression = hvd.Compression.none if compression is None else compression
-    op = hvd.Average if op is None else op
-    process_set = hvd.global_process_set if process_set is None else process_set
+    reduction = reduction_of(device_dense, device_sparse, compression, sparse_as_dense, op,
+                             gradient_predivide_factor, process_set, backward_passes_per_step,
+                             groups, num_groups)
+    process_set = reduction["process_set"]
     wrapped = horovods(hvd, "DistributedOptimizer")(
         optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
-        device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
-        backward_passes_per_step=backward_passes_per_step, op=op,
-        gradient_predivide_factor=gradient_predivide_factor,
+        device_sparse=device_sparse, compression=reduction["compression"],
+        sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
+        op=reduction["op"], gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
         groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
-    if keeps_horovods_reduction(groups, num_groups, backward_passes_per_step, op):
+    if keeps_horovods_reduction(reduction):
         return wrapped
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         enable_for_functions()
@@ -98,9 +84,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     pending: dict = {}      # cross_step: what apply_gradients defers once the updates exist
 
     def reduce_and_schedule(grads, variables=None, use_generic_names=False):
-        reduced = reduce_without_cond(grads, device_dense, device_sparse, compression,
-                                      sparse_as_dense, op, gradient_predivide_factor,
-                                      process_set)
+        reduced = reduce_without_cond(grads, reduction)
         if process_set.size() < 2:
             return reduced
         from tfoverlap.horovod.deferred import deferral_refused, reducing_allreduce
@@ -120,19 +104,21 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             mode = wrapper_option(option, default)
             if not mode:
                 continue
-            refused = (refusal(optimizer, variables, reduced, compression)
+            refused = (refusal(optimizer, variables, reduced, reduction)
                        if variables is not None else "Horovod did not name the variables")
             if not refused:
                 pending.update(grads=list(grads), variables=list(variables),
                                reduced=reduced, allreduces=allreduces, gradients=gradients,
-                               mode=mode, decouple=option == "decouple")
+                               mode=mode, decouple=option == "decouple", reduction=reduction)
                 return reduced
             # Asked for: a warning; on by default: one INFO line.
             logger.log(logging.WARNING if mode is True else logging.INFO,
                        "tfoverlap: %s: %s; the step is planned without it", option, refused)
+            declined = {"mode": "on" if mode is True else "auto", "reason": refused,
+                        "decoupled" if option == "decouple" else "deferred": 0}
+            record_graph_decision(optimizer, declined, option)
             if option == "cross_step":
-                decision = {"mode": "on" if mode is True else "auto", "deferred": 0,
-                            "reason": refused}
+                decision = declined
         schedule_in_place(dense[0].graph, gradients, cross_step=decision)
         return reduced
 
@@ -147,7 +133,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             return decouple_and_schedule(
                 optimizer, list(grads_and_vars),
                 lambda pairs: original_apply(pairs, global_step=global_step, name=name),
-                process_set=process_set, **deferrable)
+                **deferrable)
+        deferrable.pop("reduction")
         return defer_and_schedule(
             optimizer, list(grads_and_vars),
             lambda pairs: original_apply(pairs, global_step=global_step, name=name),
@@ -209,26 +196,21 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     a loop inside one ``tf.function`` (:mod:`tfoverlap.horovod.tape_deferred`,
     :mod:`tfoverlap.horovod.tape_decoupled`)."""
     import horovod.tensorflow as hvd
-    compression = hvd.Compression.none if compression is None else compression
-    op = hvd.Average if op is None else op
-    process_set = hvd.global_process_set if process_set is None else process_set
-    explicit_groups = groups is not None or num_groups
-    if explicit_groups:
-        logger.warning("tfoverlap: explicit groups: Horovod's own reduction is used, "
-                       "without Caramel")
-    else:
+    reduction = reduction_of(device_dense, device_sparse, compression, sparse_as_dense, op,
+                             gradient_predivide_factor, process_set, groups=groups,
+                             num_groups=num_groups)
+    kept = keeps_horovods_reduction(reduction)
+    if not kept:
         enable_for_functions(carried_out=("cross_step", "decouple"))
     tape = horovods(hvd, "DistributedGradientTape")(
         gradtape, device_dense=device_dense, device_sparse=device_sparse,
-        compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-        gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+        compression=reduction["compression"], sparse_as_dense=sparse_as_dense,
+        op=reduction["op"], gradient_predivide_factor=gradient_predivide_factor,
+        num_groups=num_groups, groups=groups, process_set=reduction["process_set"],
+        scale_local_gradients=scale_local_gradients)
     mode = wrapper_option("cross_step", "auto")
     decouple = wrapper_option("decouple", False)
-    if not explicit_groups and (mode or decouple) and process_set.size() > 1:
+    if not kept and (mode or decouple) and reduction["process_set"].size() > 1:
         from tfoverlap.horovod.tape_deferred import attach
-        attach(tape, dict(device_dense=device_dense, device_sparse=device_sparse,
-                          compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                          gradient_predivide_factor=gradient_predivide_factor,
-                          process_set=process_set), mode)
+        attach(tape, reduction, mode)
     return tape

@@ -1,0 +1,97 @@
+"""The Horovod wrappers' contract over API x mechanism x Horovod's reduction arguments
+(tests/jobs/contract_matrix.py): every case trains bit for bit as plain Horovod does at 2
+ranks; a case the mechanism carries out says so in tfoverlap.horovod.decisions(), a case
+it cannot carry out is refused in one warning that names the reason. One Gloo job holds
+every case but Adasum, which Horovod runs under MPI only: one MPI job holds it, and Sum.
+"""
+import itertools
+import json
+import os
+import sys
+
+import pytest
+
+from tfoverlap.testbed.horovod_launch import run_horovod
+from tfoverlap.testbed.network import EmulatedNetwork
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "contract_matrix.py")
+APIS = ("graph", "tape", "keras")
+MECHANISMS = ("cross_step", "decouple")
+GLOO_VARIANTS = ("average", "sum", "fp16", "backward_passes_2", "sparse", "sparse_as_dense",
+                 "process_set")
+MPI_VARIANTS = ("adasum", "sum")
+#: Horovod's own wrappers do not take these (its tape has no backward_passes_per_step,
+#: its Keras optimizer raises on Adasum)
+NOT_HOROVODS = {("tape", "backward_passes_2"), ("keras", "adasum")}
+#: variants each mechanism carries out; the rest are refused in one warning
+CARRIED_OUT = {
+    "cross_step": {"average", "sum", "fp16", "sparse_as_dense", "process_set"},
+    "decouple": {"average", "sum", "sparse_as_dense", "process_set"},
+}
+#: A sparse gradient keeps the graph's deferral to its in-step plan (its update is one
+#: apply_gradients); the TF2 steps defer the dense gradients and reduce the sparse one in
+#: the step.
+CARRIED_OUT_BY_API = {("tape", "cross_step", "sparse"), ("keras", "cross_step", "sparse")}
+
+
+def _cases(variants):
+    return [f"{api}/{mechanism}/{variant}"
+            for api, mechanism, variant in itertools.product(APIS, MECHANISMS, variants)
+            if (api, variant) not in NOT_HOROVODS]
+
+
+def _records(directory, controller: str, variants=None) -> list[dict]:
+    env = {"CONTRACT_RECORDS": str(directory)}
+    if variants:
+        env["CONTRACT_VARIANTS"] = ",".join(variants)
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = run_horovod(network, 2, [sys.executable, JOB], controller=controller,
+                             timeout=900, env=env)
+    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    return [json.loads((directory / f"rank-{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def gloo_records(tmp_path_factory):
+    return _records(tmp_path_factory.mktemp("contract_gloo"), "gloo")
+
+
+@pytest.fixture(scope="module")
+def mpi_records(tmp_path_factory):
+    return _records(tmp_path_factory.mktemp("contract_mpi"), "mpi", MPI_VARIANTS)
+
+
+def _check(records, case: str) -> None:
+    api, mechanism, variant = case.split("/")
+    carried_out = (variant in CARRIED_OUT[mechanism]
+                   or (api, mechanism, variant) in CARRIED_OUT_BY_API)
+    for rank, record in enumerate(records):
+        plain, ours = record[case]["horovod"], record[case]["tfoverlap"]
+        assert "error" not in ours, (rank, ours["error"])
+        assert ours["losses"] == plain["losses"], (rank, case)
+        assert ours["weights"] == plain["weights"], (rank, case)
+        decided = ours["decisions"]
+        if carried_out:
+            assert [d["mechanism"] for d in decided] == [mechanism], (rank, decided)
+            assert decided[0]["deferred"] >= 1 and decided[0]["api"] == api, decided
+            assert ours["warnings"] == [], (rank, ours["warnings"])
+            continue
+        # Refused: one warning, whose reason the decision (where one was made) repeats.
+        assert len(ours["warnings"]) == 1, (rank, case, ours["warnings"])
+        warning = ours["warnings"][0]
+        if decided:
+            assert [d["mechanism"] for d in decided] == ["in_step"], (rank, decided)
+            reason = decided[0]["declined"][mechanism]
+            assert reason and reason in warning, (rank, reason, warning)
+        else:       # the wrapper left the whole reduction to Horovod before any plan
+            assert "Horovod's own reduction is used" in warning, warning
+
+
+@pytest.mark.parametrize("case", _cases(GLOO_VARIANTS))
+def test_each_case_trains_as_horovod_or_is_refused_in_one_warning(gloo_records, case):
+    _check(gloo_records, case)
+
+
+@pytest.mark.parametrize("case", _cases(MPI_VARIANTS))
+def test_adasum_is_left_to_horovod_and_sum_carried_out_under_mpi(mpi_records, case):
+    _check(mpi_records, case)

@@ -1,0 +1,84 @@
+"""The reduction rules of the Horovod wrappers, written once for every API (graph, tape,
+Keras) and both mechanisms (cross-step deferral, decoupled reduce-scatter/all-gather).
+
+A wrapper describes Horovod's reduction arguments as plain data (:func:`reduction_of`);
+each rule takes that and returns why the reduction cannot be carried out by a mechanism
+("" where it can). The wrappers, the planners and the builders all ask these rules, so
+that ``op=hvd.Sum`` or Adasum mean the same thing in a graph, a tape loop and ``fit``.
+"""
+from __future__ import annotations
+
+from tfoverlap.log import logger
+
+__all__ = ["reduction_of", "horovods_reduction_kept", "deferral_refused_by_reduction",
+           "decoupling_refused_by_reduction", "keeps_horovods_reduction"]
+
+
+def reduction_of(device_dense="", device_sparse="", compression=None, sparse_as_dense=False,
+                 op=None, gradient_predivide_factor=1.0, process_set=None,
+                 backward_passes_per_step=1, groups=None, num_groups=0) -> dict:
+    """Horovod's reduction arguments with Horovod's defaults filled in (a plain dict that
+    every wrapper, planner and builder reads)."""
+    import horovod.tensorflow as hvd
+    return dict(device_dense=device_dense, device_sparse=device_sparse,
+                compression=hvd.Compression.none if compression is None else compression,
+                sparse_as_dense=bool(sparse_as_dense),
+                op=hvd.Average if op is None else op,
+                gradient_predivide_factor=gradient_predivide_factor,
+                process_set=hvd.global_process_set if process_set is None else process_set,
+                backward_passes_per_step=backward_passes_per_step, groups=groups,
+                num_groups=num_groups)
+
+
+def reducing_arguments(reduction: dict) -> dict:
+    """The arguments of ``reduction`` that Horovod's reduction of one step takes
+    (:func:`tfoverlap.horovod.pipeline.reduce_without_cond`)."""
+    return {name: reduction[name] for name in (
+        "device_dense", "device_sparse", "compression", "sparse_as_dense", "op",
+        "gradient_predivide_factor", "process_set")}
+
+
+def horovods_reduction_kept(reduction: dict) -> str:
+    """Why a wrapper must leave the whole reduction to Horovod ("" where it need not):
+    explicit groups (Caramel's buckets would replace them), gradient accumulation and
+    Adasum (they reduce otherwise than one AllReduce per step)."""
+    import horovod.tensorflow as hvd
+    reasons = [reason for reason, present in (
+        ("explicit groups", reduction["groups"] is not None or reduction["num_groups"]),
+        ("backward_passes_per_step > 1", reduction["backward_passes_per_step"] > 1),
+        ("Adasum", reduction["op"] == hvd.Adasum)) if present]
+    return ", ".join(reasons)
+
+
+def keeps_horovods_reduction(reduction: dict) -> bool:
+    """Whether a wrapper must leave the reduction to Horovod, saying so in one warning."""
+    kept = horovods_reduction_kept(reduction)
+    if kept:
+        logger.warning("tfoverlap: %s: Horovod's own reduction is used, without Caramel",
+                       kept)
+    return bool(kept)
+
+
+def deferral_refused_by_reduction(reduction: dict) -> str:
+    """Why gradients reduced with ``reduction`` cannot have their reduction deferred to the
+    next step ("" where they can): a stored gradient is reduced exactly as in the step only
+    with Horovod's own compressions."""
+    import horovod.tensorflow as hvd
+    compression = reduction["compression"]
+    if compression not in (hvd.Compression.none, hvd.Compression.fp16):
+        return (f"compression {getattr(compression, '__name__', compression)}: only "
+                "Horovod's none and fp16 are known to reduce a stored gradient exactly")
+    return ""
+
+
+def decoupling_refused_by_reduction(reduction: dict) -> str:
+    """Why gradients reduced with ``reduction`` cannot be reduce-scattered instead ("" where
+    they can): a reduce-scatter sums or averages the plain gradients, nothing else."""
+    import horovod.tensorflow as hvd
+    if reduction["compression"] is not hvd.Compression.none:
+        return "compression: only uncompressed gradients are reduce-scattered"
+    if reduction["op"] not in (hvd.Average, hvd.Sum):
+        return "only Horovod's Average and Sum are reduce-scattered"
+    if reduction["gradient_predivide_factor"] != 1.0:
+        return "gradient_predivide_factor: only unscaled reductions are reduce-scattered"
+    return ""
