@@ -1,6 +1,6 @@
 """Decoupled reduction: reduce-scatter under the backward pass, sharded update, all-gather
 under the next forward pass. The plan on plain numbers and on a Horovod graph, the CLI,
-and a 2-rank Gloo job (tests/jobs/decoupled_training.py) that trains two models 100 steps
+and a 2-rank Gloo job (tests/jobs/decoupled_training.py) that trains two models 20 steps
 with and without it and compares every value bit for bit, also across checkpoints."""
 import json
 import os
@@ -16,7 +16,7 @@ from tfoverlap.testbed.network import EmulatedNetwork
 from tests.helpers import build_horovod_graph, run_plain_program_with_and_without
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "decoupled_training.py")
-STEPS = 100
+STEPS = 20
 
 
 def test_a_reduce_scatter_costs_half_an_allreduce_and_buckets_are_priced_so():
@@ -165,7 +165,7 @@ def records(tmp_path_factory):
                                  "convnet/sgd", "convnet/momentum", "convnet/adam"])
 def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_state(
         records, run):
-    """100 steps: every loss, every validation loss (on every rank, and on rank 0 alone,
+    """20 steps: every loss, every validation loss (on every rank, and on rank 0 alone,
     which starts no collective) and the final weights are plain Horovod's; the optimizer
     state on each rank is half of Horovod's (2 ranks), plus at most a padding element per
     bucket and slot."""
@@ -177,7 +177,7 @@ def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_stat
         assert len(decoupled["losses"]) == STEPS
         assert decoupled["losses"] == plain["losses"], rank
         assert decoupled["validations"] == plain["validations"], rank
-        assert len(decoupled["validations"]) == (20 if rank == 0 else 10)
+        assert len(decoupled["validations"]) == (2 if rank == 0 else 1) * (STEPS // 10)
         assert decoupled["final"] == plain["final"], rank
         buckets = len(decoupled["decoupled"]["buckets"])
         slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
