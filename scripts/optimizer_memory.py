@@ -21,7 +21,7 @@ def _rank_main(models, steps: int) -> None:
     import horovod.tensorflow as hvd
 
     import tfoverlap.horovod as tfo_hvd
-    from tfoverlap.horovod.decoupled import decoupling_summary
+    from tfoverlap.horovod.session.decoupling import decoupling_summary
     from tfoverlap.testbed.models import build_model
     hvd.init()
     rows = {}

@@ -113,7 +113,7 @@ def _chain_graph(defer: bool, clip: bool = False, chunks=((0,), (1,))):
     waits of every later use, the stored step values. Returns the graph's parts."""
     import numpy as np
     import tensorflow as tf
-    from tfoverlap.horovod.deferred import defer_updates
+    from tfoverlap.horovod.session.deferral import defer_updates
     rng = np.random.default_rng(3)
     graph = tf.Graph()
     with graph.as_default():
@@ -164,7 +164,7 @@ def test_deferred_updates_are_applied_once_by_whichever_run_uses_the_variable_fi
     bit (each deferred gradient applied once, with its own step's decayed rate), and the
     first layer's forward read waits for its chunk's apply."""
     import numpy as np
-    from tfoverlap.horovod.deferred import deferral_summary
+    from tfoverlap.horovod.session.deferral import deferral_summary
     plain = _train_chain(_chain_graph(defer=False))
     model = _chain_graph(defer=True)
     assert deferral_summary(model["graph"])["deferred"] == 2
@@ -181,7 +181,7 @@ def test_deferred_updates_are_applied_once_by_whichever_run_uses_the_variable_fi
 
 def test_a_clip_after_the_reduction_defers_nothing_and_says_why(caplog):
     import logging
-    from tfoverlap.horovod.deferred import deferral_summary
+    from tfoverlap.horovod.session.deferral import deferral_summary
     caplog.set_level(logging.WARNING, logger="tfoverlap")
     model = _chain_graph(defer=True, clip=True)
     assert deferral_summary(model["graph"]) == {}
@@ -191,7 +191,7 @@ def test_a_clip_after_the_reduction_defers_nothing_and_says_why(caplog):
 def test_a_use_of_a_deferred_reduced_gradient_built_later_stops_every_run():
     """It exists only in the background run: a run that needed it would wait for ever."""
     import tensorflow as tf
-    from tfoverlap.horovod.deferred import DeferralError
+    from tfoverlap.horovod.session.pending import DeferralError
     model = _chain_graph(defer=True)
     with model["graph"].as_default():
         norm = tf.norm(model["reduced"][0], name="gradient_norm")

@@ -74,8 +74,8 @@ def _refused(rate, compression, optimizer="GradientDescentOptimizer") -> str:
     """Why an ``optimizer`` with learning rate ``rate`` ("tensor": a constant tensor) and
     one dense gradient reduced with ``compression`` would not be deferred."""
     import tensorflow as tf
-    from tfoverlap.horovod.contract import reduction_of
-    from tfoverlap.horovod.deferred import deferral_refused
+    from tfoverlap.horovod.core.contract import reduction_of
+    from tfoverlap.horovod.session.deferral import deferral_refused
     with tf.Graph().as_default():
         weight = tf.compat.v1.get_variable("w", [2], use_resource=True)
         optimizer = getattr(tf.compat.v1.train, optimizer)(
@@ -123,7 +123,7 @@ def test_a_tf_function_step_names_the_options_it_does_not_carry_out(caplog, carr
     asked for get one warning naming them; Keras' wrapper, which defers itself, none."""
     import logging
     import tfoverlap.horovod as tfo_hvd
-    from tfoverlap.horovod.wrappers import enable_for_functions
+    from tfoverlap.horovod.adapters.horovods import enable_for_functions
     from tfoverlap.integrations.tf_function import get_function_config, set_function_config
     previous = get_function_config()
     tfo_hvd.configure(bandwidth=1e9, latency=1e-5, flops=1e12, threads=2, cycle_ms=1.0,

@@ -184,7 +184,7 @@ def _substitute_wrappers(module_name: str, options: dict) -> None:
     planned with the run's options."""
     try:
         import tfoverlap.horovod as tfo_hvd
-        from tfoverlap.horovod.wrappers import substitute_in_horovod
+        from tfoverlap.horovod.adapters.horovods import substitute_in_horovod
         module = sys.modules[module_name]
         if module_name.endswith(".keras"):
             import tfoverlap.horovod.keras as tfo_keras
@@ -210,7 +210,7 @@ def summary_line() -> str:
     from tfoverlap.passes.base import recent_reports
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     ordered, planned, declined, failed = {}, {}, [], 0
-    registry = sys.modules.get("tfoverlap.horovod.decisions")
+    registry = sys.modules.get("tfoverlap.horovod.core.decisions")
     decisions = list(registry.recent_decisions()) if registry else []
     cross_step = [decision for decision in decisions if "decoupled" not in decision]
     decoupled = [decision for decision in decisions if "decoupled" in decision]

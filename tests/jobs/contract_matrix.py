@@ -4,7 +4,7 @@ API x mechanism x Horovod's reduction arguments, in one job.
 For each case (graph, tape or keras; cross_step or decouple; a reduction variant) the
 job trains a small model with plain Horovod and with tfoverlap.horovod from the same
 initial weights on the same per-rank data, and keeps the losses, the final weights,
-tfoverlap's warnings and what :func:`tfoverlap.horovod.decisions` said. Plain Horovod is
+tfoverlap's warnings and what :func:`tfoverlap.horovod.core.decisions` said. Plain Horovod is
 trained once per (API, variant). Graph-mode cases build tf.compat.v1 graphs beside the
 eager TF2 ones in the same process.
 
@@ -27,7 +27,9 @@ from job_logging import Warnings  # noqa: E402 - this directory
 
 # A slow link and slow compute: the plan has a backward pass to overlap.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
-APIS = ("graph", "tape", "keras")
+#: keras_tf: a Keras optimizer given to horovod.tensorflow's DistributedOptimizer (which
+#: hands it to horovod.tensorflow.keras) and to tfoverlap.horovod's
+APIS = ("graph", "tape", "keras", "keras_tf")
 MECHANISMS = ("cross_step", "decouple")
 VARIANTS = ("average", "sum", "adasum", "fp16", "backward_passes_2", "sparse",
             "sparse_as_dense", "process_set")
@@ -159,14 +161,18 @@ def train_keras(variant: str, wrapper) -> dict:
             "weights": [w.numpy().ravel().tolist() for w in model.trainable_variables]}
 
 
-TRAIN = {"graph": train_graph, "tape": train_tape, "keras": train_keras}
-PLAIN = {"graph": hvd, "tape": hvd, "keras": hvd_keras}
-OURS = {"graph": tfo_hvd, "tape": tfo_hvd, "keras": tfo_keras}
+TRAIN = {"graph": train_graph, "tape": train_tape, "keras": train_keras,
+         "keras_tf": train_keras}
+PLAIN = {"graph": hvd, "tape": hvd, "keras": hvd_keras, "keras_tf": hvd}
+OURS = {"graph": tfo_hvd, "tape": tfo_hvd, "keras": tfo_keras, "keras_tf": tfo_hvd}
 
 
 def applies(api: str, variant: str) -> bool:
     """Whether Horovod's wrapper of ``api`` takes ``variant``'s arguments at all (its tape
-    has no backward_passes_per_step; its Keras optimizer raises on Adasum)."""
+    has no backward_passes_per_step; its Keras optimizer raises on Adasum); keras_tf, the
+    same optimizer as keras by another door, for Average and Sum (which Horovod drops)."""
+    if api == "keras_tf":
+        return variant in ("average", "sum")
     return (api, variant) not in (("tape", "backward_passes_2"), ("keras", "adasum"))
 
 

@@ -21,7 +21,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import tfoverlap  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
-from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
+from tfoverlap.horovod.session.deferral import deferral_summary  # noqa: E402
 
 PATTERNS = ("plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
             "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule",

@@ -11,7 +11,7 @@ tf.compat.v1.disable_eager_execution()
 import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
-from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
+from tfoverlap.horovod.session.deferral import deferral_summary  # noqa: E402
 from tfoverlap.testbed.models import build_model  # noqa: E402
 
 hvd.init()

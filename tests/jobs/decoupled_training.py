@@ -7,7 +7,8 @@ loss, and rank 0 alone another one (neither may start a collective).
 Also: gradients clipped after the reduction (refused), decouple="auto" below min_gain
 (declined, cross-step overlap instead), and checkpoints written and read half way, with
 and without decouple, against plain Horovod trained straight. Writes one JSON record per
-rank (to $DECOUPLED_RECORDS/rank-N.json): per model, optimizer and variant, the losses,
+rank (to $DECOUPLED_RECORDS/rank-N.json; $DECOUPLED_RUNS, comma-separated model/optimizer,
+trains those alone): per model, optimizer and variant, the losses,
 the validation values, the final weights, the bytes of optimizer state on this rank, what
 was decoupled and tfoverlap's warnings; per checkpointed run, each segment's losses and
 final weights, what the checkpoint holds and what a save refused.
@@ -25,8 +26,8 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
-from tfoverlap.horovod.decoupled import decoupling_summary  # noqa: E402
-from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
+from tfoverlap.horovod.session.decoupling import decoupling_summary  # noqa: E402
+from tfoverlap.horovod.session.deferral import deferral_summary  # noqa: E402
 from tfoverlap.horovod.measure import measure_halves  # noqa: E402
 
 STEPS = int(os.environ.get("DECOUPLED_STEPS", "100"))
@@ -324,9 +325,13 @@ def main():
                   VALIDATION.integers(0, 10, size=32))
     caught = Warnings()
     logging.getLogger("tfoverlap").addHandler(caught)
-    runs = [(model, name, False, "decoupled") for model in MODELS for name in OPTIMIZERS]
-    runs += [(model, name, True, "decoupled") for model, name in CLIPPED]
-    runs += [("chain", "momentum", False, "declined")]
+    chosen = os.environ.get("DECOUPLED_RUNS")
+    if chosen:          # these runs alone, without the refused and declined ones
+        runs = [(*run.split("/"), False, "decoupled") for run in chosen.split(",")]
+    else:
+        runs = [(model, name, False, "decoupled") for model in MODELS for name in OPTIMIZERS]
+        runs += [(model, name, True, "decoupled") for model, name in CLIPPED]
+        runs += [("chain", "momentum", False, "declined")]
     for model, optimizer_name, clip, other in runs:
         entry = {}
         for variant in ("horovod", other):

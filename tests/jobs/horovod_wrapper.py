@@ -16,7 +16,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import tfoverlap  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
-from tfoverlap.horovod.deferred import deferral_summary  # noqa: E402
+from tfoverlap.horovod.session.deferral import deferral_summary  # noqa: E402
 
 #: variant -> (optimizer, compression, an extra variable: "" none, "unreached" one the
 #: loss does not reach, "sparse" one read by a gather, whose gradient is IndexedSlices)

@@ -197,7 +197,7 @@ def _train(pattern, variant, distributed):
     if variant == "tfoverlap" and pattern == "momentum":
         record["deferred_reductions"] = deferred_reductions(model)
     if variant == "tfoverlap" and pattern.startswith("embedding"):
-        from tfoverlap.horovod.keras_deferred import _deferrals
+        from tfoverlap.horovod.adapters.keras_fit import _deferrals
         deferral = _deferrals[model]
         record["deferred_names"] = sorted(deferral.variables[i].name
                                           for i in deferral.deferred)

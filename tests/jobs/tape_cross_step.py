@@ -19,7 +19,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
-from tfoverlap.horovod.decisions import recent_decisions  # noqa: E402
+from tfoverlap.horovod.core.decisions import recent_decisions  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
 from keras_optimizers import optimizer_for  # noqa: E402 - this directory
 

@@ -4,7 +4,8 @@ horovod.tensorflow's tape and with tfoverlap.horovod's under ``configure(decoupl
 (reduce-scatter, sharded update, all-gather under the next forward pass), from the same
 initial weights, on two models and Keras' decouplable optimizers.
 
-Each run is CALLS calls of STEPS steps ($TAPE_DECOUPLED_STEPS, default 100 in all).
+Each run is CALLS calls of STEPS steps ($TAPE_DECOUPLED_STEPS, default 100 in all);
+$TAPE_DECOUPLED_RUNS (comma-separated) trains those runs alone, without the patterns.
 Between calls the program reads the weights, and rank 0 alone evaluates a loss (no
 collective may start). Also: patterns outside the contract (refused, trained as Horovod),
 an iterator that runs out, a read after the update (a clear error), "auto", and
@@ -23,8 +24,8 @@ import tensorflow as tf
 import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
-from tfoverlap.horovod.decisions import recent_decisions  # noqa: E402
-from tfoverlap.horovod.tape_decoupled import shard_state_bytes, whole_slots  # noqa: E402
+from tfoverlap.horovod.core.decisions import recent_decisions  # noqa: E402
+from tfoverlap.horovod.in_call.checkpoints import shard_state_bytes, whole_slots  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
 
 # A slow link and slow compute: the plan has a backward pass to overlap.
@@ -248,9 +249,13 @@ def checkpointed(run) -> dict:
 def main():
     warnings = Warnings()
     logging.getLogger("tfoverlap").addHandler(warnings)
-    runs = [(run, "exact") for run in RUNS] + [
-        ("chain/momentum", pattern) for pattern in PATTERNS if pattern != "clipped"] + [
-        ("chain/clipped", "clipped")]
+    chosen = os.environ.get("TAPE_DECOUPLED_RUNS")
+    if chosen:          # these runs alone, without the patterns
+        runs = [(run, "exact") for run in chosen.split(",")]
+    else:
+        runs = [(run, "exact") for run in RUNS] + [
+            ("chain/momentum", pattern) for pattern in PATTERNS if pattern != "clipped"] + [
+            ("chain/clipped", "clipped")]
     records = {}
     for run, pattern in runs:
         name = run if pattern == "exact" else f"{run}/{pattern}"

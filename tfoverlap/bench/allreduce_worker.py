@@ -234,8 +234,8 @@ def main(argv=None) -> int:
     calmed = calm_timeline_writer() if args.trace_timeline and hvd.rank() == 0 else 0
     import tfoverlap
     import tfoverlap.horovod as tfo_hvd
-    from tfoverlap.horovod.decoupled import decoupling_summary
-    from tfoverlap.horovod.deferred import deferral_summary
+    from tfoverlap.horovod.session.decoupling import decoupling_summary
+    from tfoverlap.horovod.session.deferral import deferral_summary
     began = time.perf_counter()
     built, caramel = {}, {}
     for variant in variants:

@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     emulation = {"emulate": args.emulate, "dilation": args.dilation} if args.emulate else {}
     began = time.perf_counter()
     built, caramel = {}, {}
-    from tfoverlap.horovod.decisions import recent_decisions
+    from tfoverlap.horovod.core.decisions import recent_decisions
     for variant in variants:
         reports_before = len(tfoverlap.recent_reports())
         decisions_before = len(recent_decisions())

@@ -11,7 +11,7 @@ through::
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1)), ...)
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
 
-Cross-step overlap (:mod:`tfoverlap.horovod.keras_deferred`) is "auto" by default: used
+Cross-step overlap (:mod:`tfoverlap.horovod.adapters.keras_fit`) is "auto" by default: used
 where Caramel's plan predicts ``min_gain``; ``configure(cross_step=False)`` of
 :mod:`tfoverlap.horovod` turns it off. It needs ``compile(steps_per_execution=N)`` with
 N > 1: the reductions of a step's last gradients then run under the next step's forward
@@ -21,12 +21,15 @@ update, all-gather under the next step's forward pass).
 """
 from __future__ import annotations
 
-from tfoverlap.horovod import keras_deferred
-from tfoverlap.horovod.contract import keeps_horovods_reduction, reduction_of
+from tfoverlap.horovod.adapters import keras_fit, keras_hooks
+from tfoverlap.horovod.core.contract import keeps_horovods_reduction, reduction_of
 from tfoverlap.horovod.settings import configure, wrapper_option
-from tfoverlap.horovod.wrappers import enable_for_functions, horovods, not_converted
+from tfoverlap.horovod.adapters.horovods import (consolidate_optimizer_state,
+                                                 enable_for_functions, horovods,
+                                                 not_converted)
 
-__all__ = ["DistributedOptimizer", "configure", "decisions", "cross_step_decision"]
+__all__ = ["DistributedOptimizer", "configure", "decisions", "consolidate_optimizer_state",
+           "cross_step_decision"]
 
 
 @not_converted
@@ -56,8 +59,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if not keeps_horovods and (wrapper_option("cross_step", "auto")
                                or wrapper_option("decouple", False)) \
             and reduction["process_set"].size() > 1:
-        keras_deferred.register(wrapped, reduction)
-        keras_deferred.install()
+        keras_fit.register(wrapped, reduction)
+        keras_hooks.install()
     return wrapped
 
 
@@ -65,14 +68,14 @@ def cross_step_decision(model) -> dict | None:
     """What was decided for ``model.fit``'s train function, as a dict: mode, how many
     gradients were deferred (and their MB), the predicted and in-step step in ms, and the
     reason where nothing was deferred; None before the train function's first trace. (An
-    alias kept from before :func:`tfoverlap.horovod.decisions`, which reports every API.)"""
-    return keras_deferred.decision_for(model)
+    alias kept from before :func:`tfoverlap.horovod.core.decisions`, which reports every API.)"""
+    return keras_fit.decision_for(model)
 
 
 def decisions():
-    """:func:`tfoverlap.horovod.decisions`: what was decided for every wrapped optimizer
+    """:func:`tfoverlap.horovod.core.decisions`: what was decided for every wrapped optimizer
     and step of this process, Keras train functions among them."""
-    from tfoverlap.horovod.decisions import decisions as every_decision
+    from tfoverlap.horovod.core.decisions import decisions as every_decision
     return every_decision()
 
 

@@ -25,10 +25,10 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
     are used.
 
     ``cross_step``: graph-mode optimizers reduce the gradients that become ready last
-    under the next step's forward pass (:mod:`tfoverlap.horovod.deferred`; every value a
+    under the next step's forward pass (:mod:`tfoverlap.horovod.session.deferral`; every value a
     run returns, every checkpoint and the final weights are plain Horovod's), and so does
     Keras ``model.fit`` within each call of N > 1 steps
-    (:mod:`tfoverlap.horovod.keras_deferred`). "auto" (the
+    (:mod:`tfoverlap.horovod.adapters.keras_fit`). "auto" (the
     default): where Caramel's plan predicts a step at least ``min_gain`` faster than its
     in-step plan's; True: wherever a reduction fits under the forward pass; False:
     never.
@@ -36,7 +36,7 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
     ``decouple``: graph-mode optimizers, and tape steps in a loop inside one
     ``tf.function``, reduce-scatter the gradients under the backward pass, update each
     rank's own shard and all-gather the parameters under the next forward pass
-    (:mod:`tfoverlap.horovod.decoupled`, :mod:`tfoverlap.horovod.tape_decoupled`).
+    (:mod:`tfoverlap.horovod.session.decoupling`, :mod:`tfoverlap.horovod.in_call.decoupling`).
     True: wherever the program allows
     it; "auto": where the plan predicts a step at least ``min_gain`` faster than the best
     of Horovod's, the in-step plan's and cross-step overlap's; False (the default):

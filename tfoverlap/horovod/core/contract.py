@@ -11,7 +11,8 @@ from __future__ import annotations
 from tfoverlap.log import logger
 
 __all__ = ["reduction_of", "horovods_reduction_kept", "deferral_refused_by_reduction",
-           "decoupling_refused_by_reduction", "keeps_horovods_reduction"]
+           "decoupling_refused_by_reduction", "keeps_horovods_reduction",
+           "reduce_without_cond"]
 
 
 def reduction_of(device_dense="", device_sparse="", compression=None, sparse_as_dense=False,
@@ -28,14 +29,6 @@ def reduction_of(device_dense="", device_sparse="", compression=None, sparse_as_
                 process_set=hvd.global_process_set if process_set is None else process_set,
                 backward_passes_per_step=backward_passes_per_step, groups=groups,
                 num_groups=num_groups)
-
-
-def reducing_arguments(reduction: dict) -> dict:
-    """The arguments of ``reduction`` that Horovod's reduction of one step takes
-    (:func:`tfoverlap.horovod.pipeline.reduce_without_cond`)."""
-    return {name: reduction[name] for name in (
-        "device_dense", "device_sparse", "compression", "sparse_as_dense", "op",
-        "gradient_predivide_factor", "process_set")}
 
 
 def horovods_reduction_kept(reduction: dict) -> str:
@@ -82,3 +75,28 @@ def decoupling_refused_by_reduction(reduction: dict) -> str:
     if reduction["gradient_predivide_factor"] != 1.0:
         return "gradient_predivide_factor: only unscaled reductions are reduce-scattered"
     return ""
+
+
+def reduce_without_cond(grads, reduction: dict):
+    """Horovod's gradient reduction as plain ops (what Horovod's cond holds), with the
+    arguments of ``reduction`` (:func:`reduction_of`)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    op, gradient_predivide_factor = reduction["op"], reduction["gradient_predivide_factor"]
+    if op == hvd.Average and gradient_predivide_factor != 1.0:
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    else:
+        prescale = postscale = 1.0
+    reduced = []
+    for grad in grads:
+        if grad is None:
+            reduced.append(None)
+            continue
+        if reduction["sparse_as_dense"] and isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        reduced.append(hvd.allreduce(grad, device_dense=reduction["device_dense"],
+                                     device_sparse=reduction["device_sparse"],
+                                     compression=reduction["compression"], op=op,
+                                     prescale_factor=prescale, postscale_factor=postscale,
+                                     process_set=reduction["process_set"]))
+    return reduced

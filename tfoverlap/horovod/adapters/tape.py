@@ -1,79 +1,38 @@
-"""Cross-step overlap for ``DistributedGradientTape`` steps that run in a loop inside one
-``tf.function`` (``for _ in tf.range(n)``, or ``next(iterator)`` in such a loop).
-
-A function that runs one step per call would leave reductions pending between calls,
-where the program reads the weights: there nothing is deferred, and one line says why. A
-loop inside the function runs many steps in one call, as Keras' ``steps_per_execution``
-does, and the pending state lives inside that call (:mod:`tfoverlap.horovod.pipeline`):
-
-- The tape reduces every gradient of the step as Horovod does, and Caramel plans from the
-  step's graph which reductions (of the gradients ready last) go under the next step's
-  forward pass.
-- When the step's ``apply_gradients`` gets exactly those reduced gradients, and nothing
-  else in the step uses them, it stores the unreduced ones in buffers instead (the
-  reductions it was given stay unused, and TensorFlow prunes them), first reduces and
-  applies what the previous iteration left pending, and then applies the others. The
-  step's reads of each deferred variable, traced before, wait for its chunk's update.
-  TensorFlow's automatic control dependencies would order those reads before the update
-  (they were traced first), so they are kept out of that ordering (:func:`_unordered`).
-- After the loop, in the same function, a drain applies what the last iteration left
-  pending. When the call returns, nothing is pending: every value the program sees is
-  plain Horovod's, and each gradient is applied once. Where a ``next(iterator)`` in the
-  loop runs out, the call fails before that drain: a step applies what is pending only
-  once it has its batch, and the function drains it before the error reaches the
-  program (:func:`_drain_on_error`).
-
-Anything else keeps Horovod's reduction in the step, with one line saying why: another use
-of a deferred gradient (clipping by global norm, a logged norm), an optimizer that is not
-Keras' own or that clips, a deferred variable used by other than plain reads before the
-update. A read of a deferred variable after the step's ``apply_gradients`` in the loop
-would see it one update behind: it stops the trace with an error that says what to do.
+"""The tape adapter: ``DistributedGradientTape`` steps in a loop inside one
+``tf.function``. The tape's reduction is intercepted, the plan made from the loop body's
+graph, and the step's ``apply_gradients`` defers (or decouples) where the contract allows;
+elsewhere one line says why (docs/architecture.md, "How the Horovod mechanisms keep the
+contract").
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
-import weakref
 
-from tfoverlap.horovod.contract import deferral_refused_by_reduction
-from tfoverlap.horovod.decisions import record
-from tfoverlap.horovod.patching import MARKER, patch
-from tfoverlap.horovod.pipeline import (Deferral, apply_pending, build_slots, make_buffers,
-                                        optimizer_refused, reduce_without_cond)
-from tfoverlap.log import info_once, logger, warn_once
+from tfoverlap.horovod.core.contract import (deferral_refused_by_reduction,
+                                             reduce_without_cond)
+from tfoverlap.horovod.core.decisions import planned, record
+from tfoverlap.horovod.core.patching import patch
+from tfoverlap.horovod.in_call.loops import (INPUT_OPS, READ_OPS, Loop, handle_in, install,
+                                             loop_of, staging, unordered_reads)
+from tfoverlap.horovod.in_call.pending import (Deferral, apply_pending, build_slots,
+                                               make_buffers, optimizer_refused)
+from tfoverlap.log import info_once, warn_once
 
 __all__ = ["attach", "install"]
 
-#: the ops that only read a variable: those of a deferred one may come before its update
-READ_OPS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"))
-#: the ops that take a batch from an iterator, and fail where it has run out
-INPUT_OPS = frozenset(("IteratorGetNext", "IteratorGetNextSync",
-                       "MultiDeviceIteratorGetNextFromShard"))
 
-_loops: list = []                            # the while loops being traced, innermost last
 _by_gradient: dict = {}                      # reduced gradient (ref) -> its _TapeDeferral
-_unordered_reads = weakref.WeakKeyDictionary()   # graph -> names of reads ACD leaves alone
 _plans: dict = {}                            # the variables' refs -> (chunks, decision)
-_drains_on_error = weakref.WeakKeyDictionary()   # function graph -> pending ref -> drain
 _decouplings: dict = {}                      # the variables' refs -> decouple's first plan
-_trains = weakref.WeakKeyDictionary()        # function graph -> the shards its calls update
-
-
-@dataclasses.dataclass
-class _Loop:
-    """A while loop being traced: the graph it is built in, the deferrals its body
-    planned, and those it applied."""
-    graph: object
-    planned: list = dataclasses.field(default_factory=list)
-    deferrals: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class _TapeDeferral(Deferral):
     """A tape step's deferral: where it was traced and what the tape returned."""
     body: object = None             # the loop body's graph
-    loop: _Loop | None = None
+    loop: Loop | None = None
     level: int = logging.INFO       # of its lines: WARNING where cross_step=True asked
     gradients: list = dataclasses.field(default_factory=list)   # unreduced, by index
     reduced: list = dataclasses.field(default_factory=list)     # what the tape returned
@@ -85,7 +44,7 @@ class _TapeDeferral(Deferral):
 
     def reduce(self, tensors):
         """``tensors`` reduced as Horovod would, marked as deferred reductions."""
-        from tfoverlap.horovod.deferred import mark_deferred, reducing_allreduce
+        from tfoverlap.horovod.session.deferral import mark_deferred, reducing_allreduce
         reduced = reduce_without_cond(tensors, self.reduction)
         for tensor in reduced:
             mark_deferred(reducing_allreduce(tensor))
@@ -99,6 +58,19 @@ class _TapeDeferral(Deferral):
     @property
     def done(self) -> str:
         return "decoupled" if self.decoupling else "deferred"
+
+    def forget(self) -> None:
+        """At the end of its loop's trace: drops what it left for apply_gradients to find;
+        one line where no apply_gradients took it (its gradients were changed or not
+        applied)."""
+        for index in self.deferred:
+            _by_gradient.pop(self.reduced[index].ref(), None)
+        if self.optimizer is None and not self.decision.get("reason"):
+            self.decision["reason"] = (
+                "no apply_gradients of the step got the tape's reduced gradients as they "
+                "were (changed first: clipped by global norm, scaled, ...)")
+            _record(self)
+            _say(self.level, f"nothing {self.done}: {self.decision['reason']}", self.option)
 
     def finish_pending(self) -> list:
         """What the step before left pending, done: the deferred reductions reduced and
@@ -125,33 +97,18 @@ def attach(tape, reduction: dict, mode) -> None:
     tape._allreduce_grads = allreduce_grads     # noqa: SLF001
 
 
-def _loop_of(graph) -> _Loop | None:
-    """The loop whose body ``graph`` is, if it is one being traced."""
-    from tensorflow.python.ops.control_flow_v2_func_graphs import WhileBodyFuncGraph
-    if _loops and isinstance(graph, WhileBodyFuncGraph) and graph.outer_graph is _loops[-1].graph:
-        return _loops[-1]
-    return None
-
-
-def _staging(graph) -> bool:
-    """Whether ``graph`` is AutoGraph's trial trace of a loop body (it infers the types of
-    variables first set in the loop from it, and drops it)."""
-    from tensorflow.python.framework.func_graph import FuncGraph
-    return type(graph) is FuncGraph and graph.name == "tmp"
-
-
 def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names):
     """The tape's reduction: Horovod's own outside a loop body; in one, every gradient
     reduced in the step by plain HorovodAllreduce ops, and the deferral planned."""
     import tensorflow as tf
 
-    from tfoverlap.horovod.deferred import reducing_allreduce
-    from tfoverlap.horovod.scheduling import plan_deferral
+    from tfoverlap.horovod.session.deferral import reducing_allreduce
+    from tfoverlap.horovod.core.plans import plan_deferral
     from tfoverlap.horovod.settings import wrapper_option
     from tensorflow.python.ops.control_flow_v2_func_graphs import WhileBodyFuncGraph
     level = logging.WARNING if mode is True else logging.INFO
     graph = tf.compat.v1.get_default_graph()
-    loop = _loop_of(graph)
+    loop = loop_of(graph)
     key = tuple(variable.ref() for variable in variables)
     if loop is None:
         if isinstance(graph, WhileBodyFuncGraph):
@@ -159,7 +116,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
             # later traces of it must decide as this one.
             _plans.setdefault(key, ([], {"reason": "the loop was traced before "
                                                    "tfoverlap.horovod was imported"}))
-        elif not _staging(graph):
+        elif not staging(graph):
             option = "decouple" if wrapper_option("decouple", False) else "cross_step"
             _say(level, f"DistributedGradientTape: nothing {option}d: one step per call of "
                         "the tf.function (or a step run eagerly); its gradients would stay "
@@ -170,8 +127,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     if key in _plans and not _plans[key][0]:      # decided on the first trace: nothing
         return plain(grads, variables, use_generic_names)
     reduced = reduce_without_cond(grads, reduction)
-    deferral = _TapeDeferral(decision={"mode": "auto" if mode == "auto" else "on",
-                                       "deferred": 0, "api": "tape"},
+    deferral = _TapeDeferral(decision=dict(planned("cross_step", mode), api="tape"),
                              variables=list(variables), body=graph, loop=loop, level=level,
                              reduced=list(reduced), reduction=dict(reduction), key=key)
     dense = reduction.get("sparse_as_dense")
@@ -191,8 +147,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
         # traces twice where a first trace made variables) must make the same steps on
         # every rank, and may not make buffers.
         refused = deferral_refused_by_reduction(reduction)
-        _plans[key] = (([], {"mode": deferral.decision["mode"], "deferred": 0,
-                             "reason": refused}) if refused else
+        _plans[key] = (([], planned("cross_step", mode, refused)) if refused else
                        plan_deferral(graph.as_graph_def(add_shapes=True), own, mode))
     chunks, decision = _plans[key]
     deferral.decision.update(decision, api="tape")
@@ -217,7 +172,7 @@ def _decouples(deferral: _TapeDeferral, graph, own: dict) -> bool:
     apply_gradients. Else one line says why, and cross-step overlap is planned as
     configured."""
     from tfoverlap.horovod.settings import wrapper_option
-    from tfoverlap.horovod.tape_decoupled import plan
+    from tfoverlap.horovod.in_call.decoupling import plan
     mode = wrapper_option("decouple", False)
     if not mode:
         return False
@@ -248,79 +203,6 @@ def _record(deferral: _TapeDeferral) -> None:
 
 def _say(level: int, message: str, option: str = "cross_step") -> None:
     (warn_once if level >= logging.WARNING else info_once)(f"tfoverlap: {option}: {message}")
-
-
-def install() -> None:
-    """Hooks the end of while loops (for the drain), the calls of concrete functions (for
-    a drain where the input runs out) and TensorFlow's automatic control dependencies
-    (for the reads); cheap, and idle where nothing is deferred. The hooks must be in
-    place before a loop's trace begins: ``tfoverlap.horovod`` installs them when imported
-    after TensorFlow."""
-    from tensorflow.python.eager.polymorphic_function import concrete_function
-    from tensorflow.python.framework import auto_control_deps
-    from tensorflow.python.ops import while_v2
-    if hasattr(while_v2.while_loop, MARKER):
-        return
-    patch(while_v2, "while_loop", _draining_loops)
-    patch(concrete_function.ConcreteFunction, "_call_flat", _draining_on_error)
-    auto_control_deps.register_acd_resource_resolver(_unordered)
-
-
-def _draining_loops(plain_while):
-    import tensorflow as tf
-
-    @functools.wraps(plain_while)
-    def while_loop(*args, **kwargs):
-        loop = _Loop(graph=tf.compat.v1.get_default_graph())
-        _loops.append(loop)
-        try:
-            outputs = plain_while(*args, **kwargs)
-        finally:
-            _loops.pop()
-            _forget(loop)
-        if loop.deferrals:
-            _drain(loop, outputs)
-            _drain_on_error(loop)
-            trains = _trains.setdefault(_outermost(loop.graph), [])
-            trains.extend({id(d.decoupled): d.decoupled for d in loop.deferrals
-                           if d.decoupled is not None and d.decoupled not in trains}.values())
-        return outputs
-    return while_loop
-
-
-def _draining_on_error(plain_call):
-    import tensorflow as tf
-
-    @functools.wraps(plain_call)
-    def call_flat(self, *args, **kwargs):
-        for decoupled in _trains.get(self._func_graph, ()):  # noqa: SLF001
-            decoupled.trained()
-        drains = _drains_on_error.get(self._func_graph)  # noqa: SLF001
-        if not drains:
-            return plain_call(self, *args, **kwargs)
-        try:
-            return plain_call(self, *args, **kwargs)
-        except tf.errors.OutOfRangeError:
-            if tf.executing_eagerly():
-                for drain in drains.values():
-                    drain()
-            raise
-    return call_flat
-
-
-def _forget(loop: _Loop) -> None:
-    """Drops what ``loop``'s deferrals left for apply_gradients to find; one line for each
-    that no apply_gradients took (its gradients were changed or not applied)."""
-    for deferral in loop.planned:
-        for index in deferral.deferred:
-            _by_gradient.pop(deferral.reduced[index].ref(), None)
-        if deferral.optimizer is None and not deferral.decision.get("reason"):
-            deferral.decision["reason"] = (
-                "no apply_gradients of the step got the tape's reduced gradients as they "
-                "were (changed first: clipped by global norm, scaled, ...)")
-            _record(deferral)
-            _say(deferral.level, f"nothing {deferral.done}: {deferral.decision['reason']}",
-                 deferral.option)
 
 
 def _intercept_optimizers() -> None:
@@ -360,18 +242,6 @@ def _claimed(pairs) -> _TapeDeferral | None:
     return None
 
 
-def _handle_in(graph, variable):
-    """``variable``'s handle as ``graph`` captured it (through its outer graphs), or None."""
-    outer = getattr(graph, "outer_graph", None)
-    externals = [variable.handle]
-    if outer is not None and hasattr(outer, "captures"):
-        externals.append(_handle_in(outer, variable))
-    for captured, internal in graph.captures:
-        if any(captured is external for external in externals):
-            return internal
-    return None
-
-
 def _optimizer_variables(optimizer) -> list:
     variables = optimizer.variables
     return list(variables() if callable(variables) else variables)
@@ -385,7 +255,7 @@ def _refused(optimizer, deferral: _TapeDeferral, pairs, reads: dict) -> str:
     if graph is not deferral.body or deferral.optimizer is not None:
         return "apply_gradients was called outside the step that took the gradients"
     if deferral.decoupling:
-        from tfoverlap.horovod.tape_decoupled import refused as decoupling_refused
+        from tfoverlap.horovod.in_call.decoupling import refused as decoupling_refused
         refused = decoupling_refused(optimizer, deferral.variables, deferral.gradients)
         if not refused and len(pairs) != len(deferral.variables):
             refused = "apply_gradients got other gradients than the tape's"
@@ -405,7 +275,7 @@ def _refused(optimizer, deferral: _TapeDeferral, pairs, reads: dict) -> str:
         state += [deferral.buffers[i] for i in deferral.deferred] + [deferral.pending]
     state += [deferral.variables[i] for i in deferral.deferred]
     for index in deferral.deferred:
-        handle = _handle_in(graph, deferral.variables[index])
+        handle = handle_in(graph, deferral.variables[index])
         reads[index] = [] if handle is None else list(handle.consumers())
         other = [op.type for op in reads[index] if op.type not in READ_OPS]
         if other:
@@ -414,7 +284,7 @@ def _refused(optimizer, deferral: _TapeDeferral, pairs, reads: dict) -> str:
     read_ops = {op for ops in reads.values() for op in ops}
     touching = set()
     for variable in state:
-        handle = _handle_in(graph, variable)
+        handle = handle_in(graph, variable)
         if handle is not None:
             touching.update(op for op in handle.consumers() if op not in read_ops)
     if touching & _downstream(read_ops):
@@ -448,7 +318,7 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
     refused = _refused(optimizer, deferral, pairs, reads)
     if refused:
         if deferral.decoupling:
-            from tfoverlap.horovod.tape_decoupled import refuse_again
+            from tfoverlap.horovod.in_call.decoupling import refuse_again
             refuse_again(optimizer, deferral.variables, refused)
         for index in deferral.deferred:
             _by_gradient.pop(deferral.reduced[index].ref(), None)
@@ -460,7 +330,7 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
     graph = deferral.body
     deferral.optimizer = optimizer
     if deferral.decoupling:
-        from tfoverlap.horovod.tape_decoupled import decoupled_for
+        from tfoverlap.horovod.in_call.decoupling import decoupled_for
         deferral.decoupled = decoupled_for(optimizer, deferral.variables,
                                            *deferral.decoupling, deferral.reduction)
     # Once the step has its batch: where the iterator has run out, the step does nothing
@@ -468,7 +338,7 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
     with tf.control_dependencies([op for op in graph.get_operations()
                                   if op.type in INPUT_OPS]):
         updates = deferral.finish_pending()
-    unordered = _unordered_reads.setdefault(graph, set())
+    unordered = unordered_reads.setdefault(graph, set())
     for chunk, update in zip(deferral.chunks, updates):
         for index in chunk:
             for read in reads[index]:
@@ -484,16 +354,8 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
                          if not any(pair[1] is deferral.variables[i] for i in deferred)])
     deferral.traced = len(graph.get_operations())
     deferral.loop.deferrals.append(deferral)
-    mb = sum(deferral.buffers[i].shape.num_elements() * deferral.buffers[i].dtype.size
-             for i in deferred) / 1e6
-    deferral.decision.update(deferred=len(deferred), deferred_mb=round(mb, 3),
-                             chunks=len(deferral.chunks))
+    deferral.say_deferred("DistributedGradientTape")
     _record(deferral)
-    logger.info("tfoverlap: cross_step: DistributedGradientTape: %d of %d gradients "
-                "(%.3g MB) reduced under the next step's forward pass, in %d chunks "
-                "(predicted %s ms a step, in-step %s ms)", len(deferred),
-                len(deferral.variables), mb, len(deferral.chunks),
-                deferral.decision.get("predicted_step_ms"), deferral.decision.get("in_step_ms"))
     return result
 
 
@@ -508,61 +370,3 @@ def _decoupled_update(deferral: _TapeDeferral):
     return result
 
 
-def _drain(loop: _Loop, outputs) -> None:
-    """After ``loop``: what its last iteration left pending, reduced and applied; an error
-    where the body read a deferred variable after its step's update."""
-    import tensorflow as tf
-    for deferral in loop.deferrals:
-        handles = {}
-        for index in deferral.deferred:
-            handle = _handle_in(deferral.body, deferral.variables[index])
-            if handle is not None:
-                handles[handle.ref()] = deferral.variables[index]
-        for op in deferral.body.get_operations()[deferral.traced:]:
-            late = [handles[t.ref()] for t in op.inputs if t.ref() in handles]
-            if late:
-                raise ValueError(
-                    f"tfoverlap: {deferral.option}: the loop's step uses {late[0].name} "
-                    f"({op.type}) after its apply_gradients, where that variable's update "
-                    "is still pending; use it before apply_gradients or after the loop, or "
-                    f"turn it off (tfoverlap.horovod.configure({deferral.option}=False))")
-    after = [t for t in tf.nest.flatten(outputs, expand_composites=True)
-             if isinstance(t, tf.Tensor)]
-    with tf.control_dependencies(after):
-        for deferral in loop.deferrals:
-            deferral.finish_pending()
-
-
-def _drain_on_error(loop: _Loop) -> None:
-    """Where a ``next(iterator)`` in the loop runs out, the call fails before the drain
-    after the loop: the function that holds the loop then drains what the last step left
-    pending (every rank runs out at the same step, as Horovod needs) before the error goes
-    on to the program."""
-    import tensorflow as tf
-    drains = _drains_on_error.setdefault(_outermost(loop.graph), {})
-    for deferral in loop.deferrals:
-        if any(op.type in INPUT_OPS for op in deferral.body.get_operations()):
-            pending = (deferral.decoupled or deferral).pending
-            drains.setdefault(pending.ref(), tf.function(
-                functools.partial(_TapeDeferral.finish_pending, deferral)))
-
-
-def _outermost(graph):
-    """The function graph that holds ``graph`` (itself where it is one), whose calls run
-    the loop."""
-    from tensorflow.python.framework.func_graph import FuncGraph
-    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
-        graph = graph.outer_graph
-    return graph
-
-
-def _unordered(op, reads, writes) -> bool:
-    """TensorFlow's automatic control dependencies: the reads of a deferred variable that
-    were traced before its update touch no resource (they wait for the update by a
-    control edge; ordered as traced, they would also come before it: a cycle)."""
-    names = _unordered_reads.get(op.graph)
-    if not names or op.name not in names or not (reads or writes):
-        return False
-    reads.clear()
-    writes.clear()
-    return True

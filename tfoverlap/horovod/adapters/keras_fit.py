@@ -1,59 +1,24 @@
-"""Cross-step overlap in Keras ``model.fit`` (``tfoverlap.horovod.keras``).
-
-Keras owns the loop, so no update may stay pending where user code runs: callbacks,
-evaluation, checkpoints and ``get_weights`` come between calls of the train function. Here
-the pending state lives inside one call. With ``compile(steps_per_execution=N)`` a call
-runs N steps in one ``tf.function``:
-
-- Each step keeps the unreduced gradients that become ready last (the first layers') in
-  buffers instead of reducing them, and marks them pending.
-- The next step starts, before its forward pass, by reducing the pending buffers, chunk
-  by chunk, first layers first, and applying them with the optimizer's own
-  ``apply_gradients`` at the step count they came from (the iteration counter is set one
-  back around it, so a schedule's rate and Adam's bias correction are the earlier step's).
-  The forward pass reads each variable after its chunk's update (TensorFlow orders the ops
-  of a variable as they were written), so the reductions of the later chunks run under
-  the forward pass of the layers before them.
-- After the call, a small ``tf.function`` (the drain) applies what the last step left
-  pending, on every rank alike; also where the input ran out inside the call (a step
-  applies what is pending only once it has its input, so a step that found none leaves
-  the update whole). So between calls nothing is pending: every value user
-  code sees is plain Horovod's, and each gradient is applied once.
-
-What to defer is planned by Caramel from a trace of the model's ``train_step`` (the same
-plan as graph mode, the drain charged to the steps of a call): "auto" (the default) defers
-where that plan predicts ``min_gain``, ``cross_step=True`` wherever a reduction fits. At 8
-emulated ranks, with each layer's weight gradient gated as the Caramel pass does, default
-options measured 1.23x over Horovod with 4 steps per call (1.13x in-step). Outside what
-is known to be exact (a gradient changed between the reduction and the update, loss
-scaling, moving averages, XLA, eager runs, one step per call), nothing is deferred and
-one line says why.
-
-With ``configure(decouple=True|"auto")`` the steps of a call are decoupled instead
-(:mod:`tfoverlap.horovod.tape_decoupled`): each step all-gathers what the step before
-updated, reduce-scatters its gradients and updates this rank's shards; the drain
-all-gathers the last step's, and every rank gathers the sharded state at the end of each
-epoch, and at the batch ends where a callback of rank 0 saves every N batches (rank 0
-says where, one flag per call), so that checkpoint callbacks on rank 0 alone write it
-whole.
+"""The Keras adapter: ``model.fit`` with ``steps_per_execution=N > 1``. The model's
+``train_step`` is traced apart for the plan, each step of a call finishes what the step
+before left pending, and a drain after the call leaves nothing pending where callbacks
+and user code run (docs/architecture.md, "How the Horovod mechanisms keep the contract";
+the hooks: :mod:`tfoverlap.horovod.adapters.keras_hooks`).
 """
 from __future__ import annotations
 
-import copy
 import logging
-import sys
 import time
 import weakref
 
-from tfoverlap.horovod.contract import deferral_refused_by_reduction
-from tfoverlap.horovod.decisions import record
-from tfoverlap.horovod.patching import patch
-from tfoverlap.horovod.pipeline import (Deferral, apply_pending, build_slots, make_buffers,
-                                        optimizer_refused, reduce_without_cond)
+from tfoverlap.horovod.core.contract import (deferral_refused_by_reduction,
+                                             reduce_without_cond)
+from tfoverlap.horovod.core.decisions import planned, record
+from tfoverlap.horovod.in_call.pending import (Deferral, apply_pending, build_slots,
+                                               make_buffers, optimizer_refused)
 from tfoverlap.horovod.settings import wrapper_option
 from tfoverlap.log import logger
 
-__all__ = ["install", "register", "decision_for", "deferral_refused"]
+__all__ = ["register", "decision_for", "deferral_refused"]
 
 _deferrals = weakref.WeakKeyDictionary()    # Keras model -> Deferral
 _optimizers = weakref.WeakKeyDictionary()   # optimizer -> its Horovod reduction arguments
@@ -121,7 +86,7 @@ def register(optimizer, reduction: dict) -> None:
 def _reduce(optimizer, gradients, deferred: bool):
     """Horovod's reduction of ``gradients`` as plain HorovodAllreduce ops (those Horovod's
     cond holds), marked as deferred ones where ``deferred``."""
-    from tfoverlap.horovod.deferred import mark_deferred, reducing_allreduce
+    from tfoverlap.horovod.session.deferral import mark_deferred, reducing_allreduce
     reduced = reduce_without_cond(gradients, _optimizers[optimizer])
     if deferred:
         for tensor in reduced:
@@ -171,7 +136,7 @@ def _minimize(optimizer, deferral, loss, var_list, tape):
     kept = [i for i in range(len(pairs)) if i not in stored]
     reduced = _reduce(optimizer, [gradients[i] for i in kept], deferred=False)
     if deferral.planning is not None:
-        from tfoverlap.horovod.deferred import reducing_allreduce
+        from tfoverlap.horovod.session.deferral import reducing_allreduce
         for i, tensor in zip(kept, reduced):
             if isinstance(tensor, tf.Tensor) and positions[i] is not None:
                 deferral.planning[reducing_allreduce(tensor).name] = positions[i]
@@ -209,11 +174,11 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
     buffers; a deferral of nothing (with the reason) where it should not defer."""
     import tensorflow as tf
 
-    from tfoverlap.horovod.scheduling import plan_deferral
+    from tfoverlap.horovod.core.plans import plan_deferral
     mode = wrapper_option("cross_step", "auto")
     decouple = wrapper_option("decouple", False)
     level = logging.WARNING if (decouple or mode) is True else logging.INFO
-    deferral = Deferral(decision={"mode": "auto" if mode == "auto" else "on", "deferred": 0},
+    deferral = Deferral(decision=planned("cross_step", mode),
                          variables=list(model.trainable_variables))
     refused = deferral_refused(model, optimizer)
     if refused:
@@ -246,7 +211,7 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
         if not mode:
             return deferral
         build_slots(optimizer, deferral.variables)
-        deferral.decision = {"mode": "auto" if mode == "auto" else "on", "deferred": 0}
+        deferral.decision = planned("cross_step", mode)
     with tf.init_scope():
         steps = int(model._steps_per_execution.numpy())  # noqa: SLF001 - checked above
     chunks, deferral.decision = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode,
@@ -261,15 +226,7 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
     deferral.chunks = chunks
     make_buffers(deferral)
     deferral.drain = tf.function(lambda: _apply_pending(optimizer, deferral))
-    mb = sum(deferral.buffers[i].shape.num_elements() * deferral.buffers[i].dtype.size
-             for i in deferral.deferred) / 1e6
-    deferral.decision.update(deferred=deferred, deferred_mb=round(mb, 3),
-                             chunks=len(chunks))
-    logger.info("tfoverlap: cross_step: %d of %d gradients (%.3g MB) reduced under the "
-                "next step's forward pass, in %d chunks (predicted %s ms a step, in-step "
-                "%s ms)", deferred, len(deferral.variables), mb, len(chunks),
-                deferral.decision.get("predicted_step_ms"),
-                deferral.decision.get("in_step_ms"))
+    deferral.say_deferred("model.fit")
     return deferral
 
 
@@ -280,7 +237,7 @@ def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
     kept for the summary)."""
     import tensorflow as tf
 
-    from tfoverlap.horovod.tape_decoupled import decoupled_for, plan, refused
+    from tfoverlap.horovod.in_call.decoupling import decoupled_for, plan, refused
     level = logging.WARNING if mode is True else logging.INFO
     variables = deferral.variables
     buckets, gathers, decision = plan(graph, own, len(variables), _optimizers[optimizer],
@@ -373,109 +330,3 @@ def _drain(model) -> None:
         deferral.drain_seconds.append(time.perf_counter() - started)
 
 
-def install() -> None:
-    """Makes Keras' ``Model.make_train_function`` build the pipelined step and the drain
-    for models compiled with a registered optimizer (others are left as they are), and
-    Keras' callbacks gather a decoupled state where a save may follow."""
-    import tensorflow as tf
-    patch(tf.keras.Model, "make_train_function", _making_train_function)
-    # Keras' fit makes its data handler (which knows the batch size) before it makes and
-    # first calls the train function.
-    patch(sys.modules[tf.keras.Model.__module__].data_adapter, "get_data_handler",
-          _noting_batch_size)
-    patch(tf.keras.callbacks.CallbackList, "on_epoch_end", _consolidating_at_epoch_end)
-    patch(tf.keras.callbacks.CallbackList, "on_train_batch_end",
-          _consolidating_before_batch_saves)
-
-
-def _making_train_function(plain_make):
-    def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
-            return self.train_function
-        current = self.__dict__.get("train_step")    # a train_step set on the instance
-        if hasattr(current, "tfoverlap_own"):           # ours, from an earlier compile
-            del self.__dict__["train_step"]
-            if current.tfoverlap_own is not None:
-                self.__dict__["train_step"] = current.tfoverlap_own
-            current = current.tfoverlap_own
-        if getattr(self, "optimizer", None) not in _optimizers:
-            return plain_make(self, force)
-        _deferrals.pop(self, None)
-        # Keras looks train_step up on the model when it traces the train function.
-        self.__dict__["train_step"] = _pipelined(
-            self, current or type(self).train_step.__get__(self), current)
-        function = plain_make(self, force)
-        self.train_function = _drained(self, function)
-        return self.train_function
-    return make_train_function
-
-
-def _noting_batch_size(plain_handler):
-    def get_data_handler(*args, **kwargs):
-        handler = plain_handler(*args, **kwargs)
-        adapter = getattr(handler, "_adapter", None)
-        try:
-            _fit_batch[0] = adapter.representative_batch_size()
-        except Exception:  # noqa: BLE001 - an adapter that cannot tell: static shapes
-            _fit_batch[0] = None
-        return handler
-    return get_data_handler
-
-
-def _consolidating_at_epoch_end(plain_epoch_end):
-    def on_epoch_end(self, epoch, logs=None):
-        # Every rank ends the epoch alike: the sharded state is gathered there, so that
-        # a checkpoint callback on rank 0 alone writes it whole.
-        decoupled = getattr(_deferrals.get(getattr(self, "model", None)), "decoupled", None)
-        if decoupled is not None and not decoupled.savable:
-            decoupled.consolidate()
-        return plain_epoch_end(self, epoch, logs)
-    return on_epoch_end
-
-
-def _consolidating_before_batch_saves(plain_batch_end):
-    def on_train_batch_end(self, batch, logs=None):
-        decoupled = getattr(_deferrals.get(getattr(self, "model", None)), "decoupled", None)
-        if decoupled is not None and _batch_save_due(self, decoupled, batch):
-            decoupled.consolidate()
-        return plain_batch_end(self, batch, logs)
-    return on_train_batch_end
-
-
-def _saves_by_batch(callback) -> bool:
-    """Whether Keras ``callback`` writes checkpoints every N batches (ModelCheckpoint,
-    BackupAndRestore with an integer ``save_freq``)."""
-    frequency = getattr(callback, "save_freq", None)
-    return isinstance(frequency, int) and not isinstance(frequency, bool) and frequency > 0
-
-
-def _saves_at(callback, batch: int) -> bool:
-    """Whether ``callback`` (saving by batch) writes a checkpoint at the end of ``batch``:
-    its own rule, tried on a copy (ModelCheckpoint, BackupAndRestore); at every batch end
-    for a rule not known."""
-    if hasattr(callback, "_should_save_on_batch"):
-        return bool(copy.copy(callback)._should_save_on_batch(batch))  # noqa: SLF001
-    count = getattr(callback, "_batches_count", None)
-    if isinstance(count, int):          # BackupAndRestore counts the batch ends it saw
-        return count + 1 >= callback.save_freq
-    return True
-
-
-def _batch_save_due(callback_list, decoupled, batch: int) -> bool:
-    """Whether a callback of rank 0 writes a checkpoint at the end of ``batch`` while
-    this rank holds only its shards of the state. Collective, on every rank alike: once
-    per fit a flag from rank 0 (does any of its callbacks save by batch?), and where one
-    does, a flag from rank 0 at each batch end (does one save now?)."""
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-    savers = [callback for callback in callback_list.callbacks if _saves_by_batch(callback)]
-    known = callback_list.__dict__.get("_tfoverlap_batch_saves")
-    if known is None:
-        known = bool(int(hvd.broadcast(tf.constant(int(bool(savers))), 0,
-                                       process_set=decoupled.process_set)))
-        callback_list._tfoverlap_batch_saves = known  # noqa: SLF001 - this fit's answer
-    if not known or decoupled.savable:
-        return False
-    due = any(_saves_at(callback, batch) for callback in savers)
-    return bool(int(hvd.broadcast(tf.constant(int(due)), 0,
-                                  process_set=decoupled.process_set)))

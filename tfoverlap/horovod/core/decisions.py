@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-__all__ = ["Decision", "record", "decisions", "recent_decisions"]
+__all__ = ["Decision", "planned", "record", "decisions", "recent_decisions"]
 
 #: the mechanisms, in the order a wrapper tries them
 MECHANISMS = ("decouple", "cross_step")
@@ -47,6 +47,17 @@ class Decision:
         """Why nothing was deferred or decoupled ("" where something was)."""
         return "" if self.mechanism != "in_step" else "; ".join(
             f"{mechanism}: {why}" for mechanism, why in self.declined.items())
+
+
+def planned(mechanism: str, mode, reason: str = "") -> dict:
+    """A mechanism's decision dict before its plan fills it in: how it was asked for
+    (``mode`` "auto" or True), nothing deferred or decoupled yet, and the ``reason`` where
+    it was declined."""
+    plan = {"mode": "auto" if mode == "auto" else "on",
+            "decoupled" if mechanism == "decouple" else "deferred": 0}
+    if reason:
+        plan["reason"] = reason
+    return plan
 
 
 def record(plan, api: str, key=None, name: str = "", mechanism: str | None = None) -> None:

@@ -1,6 +1,6 @@
 """Cross-step overlap within one call of a ``tf.function``: what Keras ``model.fit``
-(:mod:`tfoverlap.horovod.keras_deferred`) and a loop of tape steps
-(:mod:`tfoverlap.horovod.tape_deferred`) share.
+(:mod:`tfoverlap.horovod.adapters.keras_fit`) and a loop of tape steps
+(:mod:`tfoverlap.horovod.adapters.tape`) share.
 
 A step keeps the unreduced gradients that become ready last in buffers and marks them
 pending; the next step of the same call first reduces and applies them, chunk by chunk,
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Deferral", "reduce_without_cond", "apply_pending", "chained_where_pending",
-           "build_slots", "make_buffers", "optimizer_refused"]
+from tfoverlap.log import logger
+
+__all__ = ["Deferral", "apply_pending", "chained_where_pending",
+           "build_slots", "make_buffers", "optimizer_refused", "program_class"]
 
 _buffers: dict = {}         # variable ref -> its buffer (one per variable, however traced)
 _pending: dict = {}         # tuple of the deferred variables' refs -> their pending flag
@@ -30,36 +32,23 @@ class Deferral:
     planning: dict | None = None    # while tracing the plan: allreduce name -> index
     drain: object = None
     drain_seconds: list = dataclasses.field(default_factory=list)   # per call, measured
-    decoupled: object = None        # decoupled instead: its TapeDecoupled (tape_decoupled)
+    decoupled: object = None        # decoupled instead: its TapeDecoupled (in_call.decoupling)
 
     @property
     def deferred(self) -> set:
         return {index for chunk in self.chunks for index in chunk}
 
-
-def reduce_without_cond(grads, reduction: dict):
-    """Horovod's gradient reduction as plain ops (what Horovod's cond holds), with the
-    arguments of ``reduction`` (:func:`tfoverlap.horovod.contract.reduction_of`)."""
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-    op, gradient_predivide_factor = reduction["op"], reduction["gradient_predivide_factor"]
-    if op == hvd.Average and gradient_predivide_factor != 1.0:
-        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
-    else:
-        prescale = postscale = 1.0
-    reduced = []
-    for grad in grads:
-        if grad is None:
-            reduced.append(None)
-            continue
-        if reduction["sparse_as_dense"] and isinstance(grad, tf.IndexedSlices):
-            grad = tf.convert_to_tensor(grad)
-        reduced.append(hvd.allreduce(grad, device_dense=reduction["device_dense"],
-                                     device_sparse=reduction["device_sparse"],
-                                     compression=reduction["compression"], op=op,
-                                     prescale_factor=prescale, postscale_factor=postscale,
-                                     process_set=reduction["process_set"]))
-    return reduced
+    def say_deferred(self, where: str) -> None:
+        """Counts what is deferred into the decision, and says so in one line."""
+        mb = sum(self.buffers[i].shape.num_elements() * self.buffers[i].dtype.size
+                 for i in self.deferred) / 1e6
+        self.decision.update(deferred=len(self.deferred), deferred_mb=round(mb, 3),
+                             chunks=len(self.chunks))
+        logger.info("tfoverlap: cross_step: %s: %d of %d gradients (%.3g MB) reduced under "
+                    "the next step's forward pass, in %d chunks (predicted %s ms a step, "
+                    "in-step %s ms)", where, len(self.deferred), len(self.variables), mb,
+                    len(self.chunks), self.decision.get("predicted_step_ms"),
+                    self.decision.get("in_step_ms"))
 
 
 def optimizer_refused(optimizer) -> str:
@@ -153,3 +142,12 @@ def apply_pending(optimizer, deferral: Deferral, reduce) -> list:
         updates.append(tf.cond(deferral.pending, apply, lambda: tf.constant(False)))
     deferral.pending.assign(False)
     return updates
+
+
+def program_class(optimizer):
+    """The class of the program's ``optimizer`` (the one Horovod's Keras wrapper derives
+    from, where it is one)."""
+    cls = type(optimizer)
+    while cls.__module__.startswith("horovod") and len(cls.__mro__) > 1:
+        cls = cls.__mro__[1]
+    return cls

@@ -1,0 +1,58 @@
+"""The bucket layout of decoupled reduction, shared by both backends: where each variable
+of a bucket sits in its flat vector, which shard each rank owns, and the flat, padded
+vectors a reduce-scatter and an all-gather move."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["BucketLayout", "flattened", "padded"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLayout:
+    """Where a bucket's variables sit in its flat vector, and the shard each rank owns.
+
+    ``members``: pair indices; ``counts``: their element counts, in that order (flat
+    offsets follow); ``shard``: elements per rank (the vector is padded to ranks x
+    shard)."""
+
+    members: tuple[int, ...]
+    counts: tuple[int, ...]
+    shard: int
+
+    @classmethod
+    def of(cls, members, counts, ranks: int) -> "BucketLayout":
+        total = sum(counts)
+        return cls(tuple(members), tuple(counts), max(1, math.ceil(total / ranks)))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def owned(self, rank: int) -> list[tuple[int, int, int]]:
+        """(position in ``members``, first element, end element) of each variable's part
+        in ``rank``'s shard."""
+        low, high = rank * self.shard, (rank + 1) * self.shard
+        parts, offset = [], 0
+        for position, count in enumerate(self.counts):
+            first, end = max(low, offset), min(high, offset + count)
+            if first < end:
+                parts.append((position, first - offset, end - offset))
+            offset += count
+        return parts
+
+
+def flattened(tensor):
+    import tensorflow as tf
+    return tf.reshape(tensor, [-1])
+
+
+def padded(tensors, length: int):
+    """The flat concatenation of ``tensors``, zero-padded to ``length`` elements."""
+    import tensorflow as tf
+    flat = [flattened(t) for t in tensors]
+    missing = length - sum(int(f.shape[0]) for f in flat)
+    if missing:
+        flat.append(tf.zeros([missing], flat[0].dtype))
+    return flat[0] if len(flat) == 1 else tf.concat(flat, 0)

@@ -1,0 +1,117 @@
+"""The plans of both mechanisms for one wrapped optimizer or step, from its graph as
+plain data: which reductions cross-step overlap defers (:func:`plan_deferral`), and the
+buckets and all-gather requests of decoupled reduction (:func:`plan_decoupling`), each
+with the decision dict that :mod:`tfoverlap.horovod.core.decisions` keeps."""
+from __future__ import annotations
+
+from tfoverlap.horovod.core.decisions import planned
+from tfoverlap.horovod.settings import caramel_options, decoupled_network
+from tfoverlap.log import logger
+
+__all__ = ["plan_deferral", "plan_decoupling"]
+
+
+def plan_deferral(graph_def, own: dict, mode,
+                  drain_every: int = 0) -> tuple[list[list[int]], dict]:
+    """Which of an optimizer's reductions to defer to the next step, in chunks, and the
+    decision as the Caramel report gives it. ``own`` maps the names of this optimizer's
+    HorovodAllreduce nodes in ``graph_def`` (which may hold other optimizers' too) to the
+    indices the chunks are made of. ``mode`` "auto" defers where the predicted step gains
+    at least min_gain over the in-step plan's; True wherever a reduction fits under the
+    forward pass. ``drain_every`` N: what is deferred is reduced exposed once every N
+    steps (Keras' drain after each call of N steps), which the prediction charges to each
+    step. Never raises: without a plan nothing is deferred, with a warning."""
+    from tfoverlap.costs.network import ring_allreduce_seconds
+    from tfoverlap.options import link_bandwidth, parse_options
+    from tfoverlap.planning.caramel import deferred_chunks, deferred_step, plan_for_graph
+    decision = planned("cross_step", mode)
+    chunks = []
+    try:
+        options = parse_options(caramel_options())
+        plan, inputs = plan_for_graph(graph_def, options)
+        latency = inputs.request_latency(options)
+        rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
+                                              0.0)) for size in plan.sizes]
+        request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
+        positions = [[p for p in chunk if plan.model.names[plan.nodes[p]] in own]
+                     for chunk in deferred_chunks(plan, rings, request_seconds=request)]
+        positions = [chunk for chunk in positions if chunk]
+        in_step = min(plan.predicted_step, plan.baseline_step)
+        predicted = deferred_step(plan, rings, positions, request)
+        if drain_every and positions:
+            drain = sum(rings[p] for chunk in positions for p in chunk) \
+                + len(positions) * request
+            predicted += drain / drain_every
+            decision["drain_predicted_ms"] = round(drain * 1e3, 3)
+        gain = 1.0 - predicted / in_step if in_step > 0 else 0.0
+        decision.update(in_step_ms=round(in_step * 1e3, 3),
+                        predicted_step_ms=round(predicted * 1e3, 3),
+                        predicted_gain=round(gain, 4))
+        chunks = [[own[plan.model.names[plan.nodes[p]]] for p in chunk]
+                  for chunk in positions]
+        if not chunks:
+            decision["reason"] = ("no reduction of the plan's tail fits under the forward "
+                                  "pass")
+        elif mode == "auto" and gain < options.min_gain:
+            decision["reason"] = (f"deferring would take the step from {in_step * 1e3:.3g} "
+                                  f"to {predicted * 1e3:.3g} ms ({gain:+.1%}), below "
+                                  f"min_gain {options.min_gain:.1%}")
+            chunks = []
+    except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
+        logger.warning("tfoverlap: cross_step: no plan to defer with (%s: %s); nothing "
+                       "deferred", type(error).__name__, error)
+        decision["reason"] = f"no plan ({type(error).__name__}: {error})"
+    return chunks, decision
+
+
+def plan_decoupling(graph_def, own: dict, count: int,
+                    mode) -> tuple[list[list[int]], list[list[int]], dict]:
+    """(buckets of an optimizer's ``count`` gradients in reduce-scatter order, the
+    all-gather requests as lists of bucket indices, the decision as the Caramel report
+    gives it). ``own`` maps the names of this optimizer's HorovodAllreduce nodes in
+    ``graph_def`` to gradient indices; gradients the plan does not cover form a last
+    bucket, gathered first. ``mode`` "auto" decouples where the predicted step gains at
+    least min_gain over the best of Horovod's, the in-step plan's and cross-step
+    overlap's. Never raises: without a plan nothing is decoupled, with a warning."""
+    from tfoverlap.options import parse_options
+    from tfoverlap.planning.decoupled import plan_decoupled_for_graph
+    decision = planned("decouple", mode)
+    try:
+        options = parse_options(caramel_options())
+        halves = decoupled_network() or {}
+        plan, _ = plan_decoupled_for_graph(graph_def, options, halves.get("scatter"),
+                                           halves.get("gather"))
+    except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
+        logger.warning("tfoverlap: decouple: no plan (%s: %s); nothing decoupled",
+                       type(error).__name__, error)
+        decision["reason"] = f"no plan ({type(error).__name__}: {error})"
+        return [], [], decision
+    names = plan.plan.model.names
+    buckets, kept = [], []
+    for number, bucket in enumerate(plan.buckets):
+        members = [own[names[plan.plan.nodes[piece.gradient]]] for piece in bucket.pieces
+                   if names[plan.plan.nodes[piece.gradient]] in own]
+        if members:
+            buckets.append(members)
+            kept.append(number)
+    position = {number: index for index, number in enumerate(kept)}
+    gathers = [[position[b] for b in chunk if b in position] for chunk in plan.gather_chunks]
+    gathers = [chunk for chunk in gathers if chunk]
+    covered = {i for bucket in buckets for i in bucket}
+    missing = [i for i in range(count) if i not in covered]
+    if missing:
+        buckets.append(missing)
+        gathers = [[len(buckets) - 1] + (gathers[0] if gathers else [])] + gathers[1:]
+    decision.update(scatter=list(plan.scatter), gather=list(plan.gather),
+                    predicted_step_ms=round(plan.predicted_step * 1e3, 3),
+                    horovod_step_ms=round(plan.horovod_step * 1e3, 3),
+                    in_step_ms=round(plan.caramel_step * 1e3, 3),
+                    cross_step_ms=round(plan.cross_step_step * 1e3, 3),
+                    predicted_gain=round(plan.predicted_gain, 4))
+    if mode == "auto" and plan.predicted_gain < options.min_gain:
+        decision["reason"] = (f"decoupling would take the step to "
+                              f"{plan.predicted_step * 1e3:.3g} ms "
+                              f"({plan.predicted_gain:+.1%} over the best of the others), "
+                              f"below min_gain {options.min_gain:.1%}")
+        return [], [], decision
+    return buckets, gathers, decision

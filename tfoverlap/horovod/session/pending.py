@@ -1,0 +1,358 @@
+"""The session backend's pending work: what a train run of a TF1 session leaves for the
+next one, for both mechanisms (cross-step's deferred reductions, decoupled reduction's
+all-gathers).
+
+A mechanism registers its group (:func:`register_pending`): the ops that mark the train
+run, the op its background run runs when that run returns (on every rank alike), and per
+variable the op that applies what is pending. Every op built outside the group that uses
+such a variable waits for that apply (:func:`_guard_new_ops`), before any session sees
+it; the session hooks start the background runs and join them before a close.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+import weakref
+
+from tfoverlap.horovod.core.patching import MARKER, patch
+from tfoverlap.log import logger
+
+__all__ = ["DeferralError", "register_pending", "staged_apply", "stage_results",
+           "arrival_queue", "join_reductions", "pending_summaries", "flush_op"]
+
+
+# Ops that use a variable's handle but not its value: they need not wait for an update.
+_VALUELESS_OPS = frozenset({"VarIsInitializedOp", "VariableShape", "DestroyResourceOp"})
+
+
+class DeferralError(RuntimeError):
+    """A program uses a deferred gradient where it cannot be had (raised before the run)."""
+
+
+@dataclasses.dataclass
+class _Group:
+    """The deferred updates of one optimizer's apply_gradients."""
+    name: str
+    stores: tuple                  # the train run's token puts (the run that stores)
+    reduce: object                 # the op of the background run that reduces the stores
+    close: object                  # closes the queues (a failed reduction)
+    guard_of: dict                 # handle tensor name -> its chunk's apply op
+    reduced: frozenset             # names of the reduced gradients (only the reduction's)
+    own: frozenset                 # names of the ops this group built
+    summary: dict
+    broadcast_with: dict           # handle tensor name -> op run with its broadcast
+
+
+@dataclasses.dataclass
+class _GraphState:
+    groups: list = dataclasses.field(default_factory=list)
+    scanned: int = 0               # the graph's version when its ops were given their waits
+    scanned_id: int = 0            # the last op id given its waits
+    flush: object = None
+    trained_by: dict = dataclasses.field(default_factory=dict)   # run key -> groups
+
+
+_graphs = weakref.WeakKeyDictionary()         # graph -> _GraphState
+
+
+_reductions = weakref.WeakKeyDictionary()     # session -> {group name: background thread}
+
+
+_lock = threading.RLock()
+
+
+_JOIN_SECONDS = 120
+
+
+def register_pending(graph, name: str, stores, background, close, guard_of: dict,
+                     hidden=frozenset(), own=frozenset(), summary=None,
+                     broadcast_with=None) -> None:
+    """Registers work that a train run leaves pending for the next one (cross-step's
+    deferred reductions, decoupled reduction's all-gathers), and installs the session hooks
+    that keep it safe:
+
+    ``stores``: names of the ops that mark a run as the train run; when such a run
+    returns, ``background`` (an op) runs in a background run of the same session, on every
+    rank alike; ``close`` closes its queues if it fails. ``guard_of``: handle tensor name
+    -> the op that applies what is pending to that variable (or slot): every op built
+    outside ``own`` (op names) that uses the handle waits for it. ``hidden``: names of
+    tensors that exist only in the background run (using one is a :class:`DeferralError`).
+    ``summary``: what :func:`deferral_summary` adds up. ``broadcast_with``: handle tensor
+    name -> an op (collective) that every Horovod broadcast of that variable from rank 0
+    runs first (decoupled reduction's optimizer state, which is not a global variable)."""
+    import tensorflow as tf
+    state = _graphs.setdefault(graph, _GraphState())
+    with _lock:
+        state.groups.append(_Group(name, tuple(stores), background, close, guard_of,
+                                   frozenset(hidden), frozenset(own), summary or {},
+                                   dict(broadcast_with or {})))
+        state.trained_by.clear()
+        with graph.as_default(), tf.control_dependencies(None):
+            state.flush = tf.group(*[apply for group in state.groups
+                                     for apply in set(group.guard_of.values())],
+                                   name="tfoverlap/deferred/flush")
+        _guard_new_ops(graph, state)
+    _install_session_hooks()
+
+
+def _listed(tensors) -> list:
+    return tensors if isinstance(tensors, list) else [tensors]
+
+
+def staged_apply(tokens, ready, arrived, update):
+    """The op that applies a chunk's pending update, if one is pending (a token is staged
+    in the ``tokens`` StagingArea by the train run), else does nothing.
+
+    ``update(values, results)`` builds the update's ops from the token's values and what
+    the background run staged in ``ready``; it waits for them on the ``arrived`` queue,
+    which the background run fills after staging them (:func:`stage_results`; a wait that
+    holds no thread, where a StagingArea's peek would). Token and results are taken off
+    only after the update has run, and past the wait no op is one that a failing run
+    cancels: a run that fails while it applies (an exhausted input, a refused save) still
+    completes the update, and one that fails before leaves it whole for the next run."""
+    import tensorflow as tf
+
+    def apply_pending():
+        with tf.control_dependencies([arrived.dequeue()]):
+            values, results = _listed(tokens.peek(0)), _listed(ready.peek(0))
+        updates = update(values, results)
+        with tf.control_dependencies(updates):
+            taken = _listed(ready.get())
+        with tf.control_dependencies(taken):
+            done = _listed(tokens.get())
+        with tf.control_dependencies(done):
+            return tf.constant(True)
+
+    return tf.cond(tokens.size() > 0, apply_pending, lambda: tf.constant(False),
+                   name="apply").op
+
+
+def stage_results(ready, arrived, results):
+    """The background run's op that stages ``results`` in ``ready`` and then says so on
+    ``arrived`` (for :func:`staged_apply`)."""
+    import tensorflow as tf
+    with tf.control_dependencies([ready.put(results)]):
+        return arrived.enqueue([tf.constant(True)])
+
+
+def arrival_queue(name: str = "arrived"):
+    """The queue on which :func:`staged_apply` waits for the background run's results;
+    closing it (the background run failed) makes that wait fail instead of hang."""
+    import tensorflow as tf
+    return tf.queue.FIFOQueue(1, [tf.bool], [[]], name=name)
+
+
+def _guard_new_ops(graph, state) -> None:
+    """Makes every op built since the last call that uses a deferred variable or slot wait
+    for its chunk's apply; raises DeferralError where one uses a reduced gradient (it
+    exists only in the background run). Called before a session first sees the ops."""
+    if state.scanned >= graph.version:
+        return
+    own = frozenset().union(*(group.own for group in state.groups))
+    guard_of = {name: apply for group in state.groups for name, apply in group.guard_of.items()}
+    reduced = frozenset().union(*(group.reduced for group in state.groups))
+    broadcast_with = {name: op for group in state.groups
+                      for name, op in group.broadcast_with.items()}
+    new = sorted((op for op in graph.get_operations() if op._id > state.scanned_id),  # noqa: SLF001
+                 key=lambda op: op._id)  # noqa: SLF001
+    for op in new:
+        if op.name in own or op.type in _VALUELESS_OPS:
+            continue
+        waits = []
+        for tensor in op.inputs:
+            if tensor.name in reduced:
+                state.scanned_id = op._id - 1  # noqa: SLF001 - raised again next run
+                state.scanned = 0
+                raise DeferralError(
+                    f"tfoverlap: cross_step: {op.name} uses the reduced gradient "
+                    f"{tensor.name}, which is reduced after the step (in the next one). "
+                    "Use it before the optimizer's apply_gradients is built (its variable "
+                    "then stays in the step), or configure(cross_step=False)")
+            apply = guard_of.get(tensor.name)
+            if apply is not None and apply not in op.control_inputs and apply not in waits:
+                waits.append(apply)
+        if op.type == "HorovodBroadcast" and broadcast_with:
+            try:
+                waits += _broadcast_companions(op, broadcast_with, op.control_inputs + waits)
+            except DeferralError:
+                state.scanned_id = op._id - 1  # noqa: SLF001 - raised again next run
+                state.scanned = 0
+                raise
+        if waits:
+            op._add_control_inputs(waits)  # noqa: SLF001 - not yet run by any session
+    state.scanned = graph.version
+    state.scanned_id = max((op._id for op in new), default=state.scanned_id)  # noqa: SLF001
+
+
+def _broadcast_companions(broadcast, broadcast_with: dict, present) -> list:
+    """The ops of ``broadcast_with`` that the Horovod ``broadcast`` op must run first: the
+    one of the variable it broadcasts (read by a ReadVariableOp), if any and not in
+    ``present``. Raises DeferralError for a broadcast from another rank than 0."""
+    source = broadcast.inputs[0].op
+    if source.type != "ReadVariableOp" or source.inputs[0].name not in broadcast_with:
+        return []
+    root = broadcast.get_attr("root_rank")
+    if root != 0:
+        raise DeferralError(
+            f"tfoverlap: decouple: {broadcast.name} broadcasts a decoupled variable from "
+            f"rank {root}; its sharded optimizer state is broadcast from rank 0 only. "
+            "Broadcast from rank 0, or configure(decouple=False)")
+    companion = broadcast_with[source.inputs[0].name]
+    return [] if companion in present else [companion]
+
+
+def _trained_groups(graph, state, fetched_ops, fed_tensors) -> list:
+    """The groups whose stores a run of ``fetched_ops`` (op names) runs, feeding the
+    tensors ``fed_tensors`` (names)."""
+    key = (frozenset(fetched_ops), frozenset(fed_tensors))
+    with _lock:
+        if key in state.trained_by:
+            return state.trained_by[key]
+    store_of = {name: group for group in state.groups for name in group.stores}
+    reached, seen = set(), set()
+    frontier = [graph.get_operation_by_name(name) for name in fetched_ops]
+    while frontier:
+        op = frontier.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.name in store_of:
+            reached.add(op.name)
+        frontier.extend(t.op for t in op.inputs if t.name not in fed_tensors)
+        frontier.extend(op.control_inputs)
+    trained = [group for group in state.groups if set(group.stores) <= reached]
+    with _lock:
+        state.trained_by[key] = trained
+    return trained
+
+
+def _reduce_in_background(session, group) -> None:
+    """Starts the background run that reduces what ``group``'s train run just stored."""
+    with _lock:
+        threads = _reductions.setdefault(session, {})
+        previous = threads.get(group.name)
+    if previous is not None:
+        previous.join()        # done: this step's forward pass took its results
+
+    def reduce():
+        try:
+            session.run(group.reduce)
+        except Exception as error:  # noqa: BLE001 - reported here, then the queues close
+            if getattr(session, "_closed", False):
+                return
+            logger.error("tfoverlap: cross_step: the reduction of the deferred gradients "
+                         "failed (%s: %s); the next run that uses those variables fails",
+                         type(error).__name__, error)
+            try:
+                session.run(group.close)
+            except Exception:  # noqa: BLE001 - the session is going away
+                pass
+
+    thread = threading.Thread(target=reduce, name=f"{group.name}-reduce", daemon=True)
+    with _lock:
+        threads[group.name] = thread
+    thread.start()
+
+
+def join_reductions(session=None) -> None:
+    """Lets the reductions in flight (of ``session``, else of every session) finish before
+    the session closes or Horovod shuts down: every rank runs them, and one cut short on
+    one rank would leave the others' waiting."""
+    with _lock:
+        threads = [thread for owner, threads in list(_reductions.items())
+                   if session is None or owner is session for thread in threads.values()]
+    for thread in threads:
+        thread.join(timeout=_JOIN_SECONDS)
+        if thread.is_alive():
+            logger.warning("tfoverlap: cross_step: a reduction of deferred gradients is "
+                           "still running after %d s (is a rank gone?)", _JOIN_SECONDS)
+
+
+def _after_run(session, fetched_ops, fed_tensors) -> None:
+    state = _graphs.get(session.graph)
+    if state is None or not state.groups:
+        return
+    for group in _trained_groups(session.graph, state, fetched_ops, fed_tensors):
+        _reduce_in_background(session, group)
+
+
+def _install_session_hooks() -> None:
+    """Hooks TensorFlow's session (once per process): new ops get their waits before a
+    session first sees them, a run that stored deferred gradients starts their reduction
+    when it returns, and a close waits for the reductions in flight."""
+    from tensorflow.python.client import session as session_lib
+    base = session_lib.BaseSession
+    if hasattr(base.close, MARKER):
+        return
+    patch(base, "_extend_graph", _guarding_new_ops)
+    patch(base, "_call_tf_sessionrun", _reducing_after_run)
+    patch(base, "_make_callable_from_options", _reducing_after_callable)
+    patch(base, "close", _joining_reductions)
+    atexit.register(join_reductions)
+
+
+def _guarding_new_ops(extend_graph):
+    def _extend_graph(self):
+        state = _graphs.get(self._graph)  # noqa: SLF001
+        if state is not None:
+            with _lock:
+                _guard_new_ops(self._graph, state)  # noqa: SLF001
+        return extend_graph(self)
+    return _extend_graph
+
+
+def _reducing_after_run(call_run):
+    from tensorflow.python.client import pywrap_tf_session as tf_session
+
+    def _call_tf_sessionrun(self, options, feed_dict, fetch_list, target_list,
+                            run_metadata):
+        result = call_run(self, options, feed_dict, fetch_list, target_list, run_metadata)
+        if _graphs.get(self._graph) is not None:  # noqa: SLF001
+            fetched = ([tf_session.TF_OperationName(output.oper) for output in fetch_list]
+                       + [tf_session.TF_OperationName(op) for op in target_list])
+            fed = [f"{tf_session.TF_OperationName(output.oper)}:{output.index}"
+                   for output in feed_dict]
+            _after_run(self, fetched, fed)
+        return result
+    return _call_tf_sessionrun
+
+
+def _reducing_after_callable(make_callable):
+    def _make_callable_from_options(self, callable_options):
+        run = make_callable(self, callable_options)
+        if _graphs.get(self._graph) is None:  # noqa: SLF001
+            return run
+        fetched = ([name.split(":")[0] for name in callable_options.fetch]
+                   + list(callable_options.target))
+        fed = [name if ":" in name else f"{name}:0" for name in callable_options.feed]
+
+        def call(*args, **kwargs):
+            result = run(*args, **kwargs)
+            _after_run(self, fetched, fed)
+            return result
+        return call
+    return _make_callable_from_options
+
+
+def _joining_reductions(close):
+    def close_after_reductions(self):
+        join_reductions(self)
+        return close(self)
+    return close_after_reductions
+
+
+def pending_summaries(graph) -> list[dict]:
+    """The summaries :func:`register_pending` was given for ``graph``, in order."""
+    state = _graphs.get(graph)
+    return [] if state is None else [group.summary for group in state.groups]
+
+
+def flush_op(graph=None):
+    """The op that applies every pending deferred update of ``graph`` (the default graph if
+    not given); None where nothing was deferred. Not needed: any run that uses a deferred
+    variable applies its pending update first. It makes the weights final for programs
+    that read them without TensorFlow (a variable's ``eval`` does use TensorFlow)."""
+    import tensorflow as tf
+    state = _graphs.get(graph or tf.compat.v1.get_default_graph())
+    return None if state is None else state.flush
