@@ -1,0 +1,90 @@
+"""The Horovod wrappers' core as plain data: the decision registry, the reduction rules
+and the patch helper (tfoverlap/horovod/core/), without a Horovod job."""
+import types
+
+import pytest
+
+from tfoverlap.horovod.core import decisions as registry
+from tfoverlap.horovod.core.patching import MARKER, patch, unpatched
+
+
+@pytest.fixture
+def empty_registry(monkeypatch):
+    monkeypatch.setattr(registry, "_entries", {})
+
+
+def test_one_decision_per_wrapped_object_names_what_runs_and_why_the_rest_was_declined(
+        empty_registry):
+    graph_optimizer, tape_step = object(), ("tape", "variables")
+    registry.record(registry.planned("decouple", True, "compression: only uncompressed"),
+                    "graph", key=graph_optimizer, name="Momentum")
+    registry.record(dict(registry.planned("cross_step", True), deferred=3, deferred_mb=1.5,
+                         predicted_step_ms=90.0, in_step_ms=100.0),
+                    "graph", key=graph_optimizer)
+    registry.record(registry.planned("cross_step", "auto", "below min_gain 3.0%"), "tape",
+                    key=tape_step)
+    graph, tape = registry.decisions()
+    assert (graph.api, graph.name, graph.mechanism, graph.deferred, graph.mode) == (
+        "graph", "Momentum", "cross_step", 3, "on")
+    assert graph.declined == {"decouple": "compression: only uncompressed"}
+    assert (graph.predicted_step_ms, graph.in_step_ms, graph.reason) == (90.0, 100.0, "")
+    assert (tape.mechanism, tape.mode, tape.deferred) == ("in_step", "auto", 0)
+    assert tape.reason == "cross_step: below min_gain 3.0%"
+    # A trace that decides again replaces the decision of the same mechanism.
+    registry.record(dict(registry.planned("cross_step", "auto"), deferred=2), "tape",
+                    key=tape_step)
+    assert [d.deferred for d in registry.decisions()] == [3, 2]
+    assert len(registry.recent_decisions()) == 3
+
+
+def test_a_decision_that_grows_is_read_when_asked_and_kept_once_its_object_is_gone(
+        empty_registry):
+    live = {"plan": dict(registry.planned("cross_step", "auto"), deferred=4, drains=1)}
+    registry.record(lambda: live["plan"], "keras", key="model", name="model")
+    live["plan"] = dict(live["plan"], drains=7)
+    assert registry.decisions()[0].plan["drains"] == 7
+    live["plan"] = None                     # the model was collected
+    decision, = registry.decisions()
+    assert (decision.mechanism, decision.deferred, decision.plan["drains"]) == (
+        "cross_step", 4, 7)
+
+
+def test_an_unknown_mechanism_is_named():
+    with pytest.raises(ValueError, match="unknown mechanism 'overlap'"):
+        registry.record({}, "graph", mechanism="overlap")
+
+
+def test_every_api_applies_the_same_reduction_rules():
+    hvd = pytest.importorskip("horovod.tensorflow")
+    from tfoverlap.horovod.core import contract
+
+    def rules(**arguments):
+        reduction = contract.reduction_of(**arguments)
+        return (contract.horovods_reduction_kept(reduction),
+                contract.deferral_refused_by_reduction(reduction),
+                contract.decoupling_refused_by_reduction(reduction))
+
+    assert rules() == ("", "", "")
+    assert rules(op=hvd.Sum) == ("", "", "")
+    assert rules(op=hvd.Adasum)[0] == "Adasum"
+    assert rules(groups=[[0]], backward_passes_per_step=2)[0] == (
+        "explicit groups, backward_passes_per_step > 1")
+    fp16 = rules(compression=hvd.Compression.fp16)
+    assert fp16[:2] == ("", "") and "only uncompressed" in fp16[2]
+    assert "only unscaled" in rules(gradient_predivide_factor=2.0)[2]
+    assert "compression" in rules(compression=types.SimpleNamespace(__name__="Mine"))[1]
+
+
+def test_a_patch_is_made_once_and_remembers_what_it_replaced():
+    owner = types.SimpleNamespace(run=lambda: "plain")
+    plain = owner.run
+
+    def counting(original):
+        def run():
+            return "ours+" + original()
+        return run
+
+    patch(owner, "run", counting)
+    patch(owner, "run", counting)           # a second install: nothing more
+    assert owner.run() == "ours+plain"
+    assert getattr(owner.run, MARKER) is plain and unpatched(owner.run) is plain
