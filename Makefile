@@ -1,6 +1,7 @@
 # tfoverlap: every set-up step is here, idempotent (stamp files in .venv/).
 #   make demo   the main job
 #   make test   all tests
+#   make test-fast  the unit tier (not the tests marked slow)
 PYTHON     ?= python3.11
 VENV       := .venv
 PY         := $(VENV)/bin/python
@@ -17,7 +18,7 @@ STAMP_HOROVOD := $(VENV)/.stamp-horovod
 STAMP_PACKAGE := $(VENV)/.stamp-tfoverlap
 PACKAGE_SOURCES := setup.py pyproject.toml $(wildcard native/*.cc) $(wildcard tfoverlap/*.py tfoverlap/*/*.py)
 
-.PHONY: all setup demo test clean distclean
+.PHONY: all setup demo test test-fast clean distclean
 all: setup
 setup: $(STAMP_PACKAGE)
 
@@ -55,6 +56,10 @@ $(STAMP_PACKAGE): $(STAMP_HOROVOD) $(PACKAGE_SOURCES)
 
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS) tests
+
+# The unit tier (no Horovod jobs, clusters or benchmark runs: tests marked slow are left out).
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) tests
 
 demo: setup
 	$(PY) -m tfoverlap.bench.demo

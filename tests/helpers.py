@@ -103,3 +103,35 @@ def run_plain_program_with_and_without(launch, mode: str):
                 summaries = [line for output in result.outputs
                              for line in output.splitlines() if "tfoverlap [" in line]
     return records, summaries
+
+
+_GRAPH_BUILDER = """
+import sys
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+for path, script in zip(sys.argv[1::2], sys.argv[2::2]):
+    sys.argv = [script, path]
+    exec(compile(open(script).read(), script, "exec"), {"__name__": "__main__"})
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = True      # as the next script expects
+    assert tf.executing_eagerly(), script + " turned eager execution off"
+"""
+
+
+def build_horovod_graphs(scripts: dict, directory) -> dict:
+    """:func:`build_horovod_graph` for many scripts in one one-rank Gloo process (one
+    TensorFlow and Horovod start-up, not one per graph): {name: script} -> {name: path of
+    the GraphDef it wrote}. Each script runs in a fresh namespace, with control flow v2 on
+    again after it; scripts must leave eager execution on (build in a tf.Graph())."""
+    import pathlib
+    directory = pathlib.Path(directory)
+    paths, argv = {}, []
+    for name, script in scripts.items():
+        source = directory / f"{name}.py"
+        source.write_text(script)
+        paths[name] = directory / f"{name}.pb"
+        argv += [str(paths[name]), str(source)]
+    env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+    result = subprocess.run([sys.executable, "-c", _GRAPH_BUILDER, *argv], env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return paths

@@ -14,7 +14,7 @@ from tfoverlap.graph.model import GraphModel
 from tfoverlap.graph.verify import verify_graph_def
 from tfoverlap.testbed.horovod_launch import run_horovod
 from tfoverlap.testbed.network import EmulatedNetwork
-from tests.helpers import build_horovod_graph, run_python
+from tests.helpers import run_python
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "caramel_training.py")
 IS_ROOT = os.geteuid() == 0
@@ -42,13 +42,8 @@ with open(sys.argv[1], "wb") as stream:
 
 
 @pytest.fixture(scope="module")
-def horovod_graph(tmp_path_factory):
-    import tensorflow as tf
-    path = tmp_path_factory.mktemp("caramel") / "chain.pb"
-    build_horovod_graph(_BRANCHES, path)
-    graph_def = tf.compat.v1.GraphDef()
-    graph_def.ParseFromString(path.read_bytes())
-    return graph_def
+def horovod_graph(horovod_graphs):
+    return horovod_graphs["caramel_branches"]
 
 
 def _rewrite(graph_def, **options):
@@ -206,7 +201,7 @@ import sys
 import horovod.tensorflow as hvd
 import tensorflow as tf
 hvd.init()
-LOOP = sys.argv[1].endswith("loop.pb")
+LOOP = sys.argv[1].endswith("loop.pb")   # caramel_tape_loop.pb
 weights = []
 
 def make_weights():
@@ -245,16 +240,12 @@ with open(sys.argv[1], "wb") as stream:
 
 
 @pytest.mark.parametrize("loop", [False, True], ids=["tf_function", "while_loop"])
-def test_a_tapes_weight_gradients_are_gated_before_the_input_gradients(tmp_path, loop):
+def test_a_tapes_weight_gradients_are_gated_before_the_input_gradients(horovod_graphs, loop):
     """A GradientTape leaves each layer's weight gradient free to run after the rest of
     the backward pass (TF1's optimizers gate them); the pass gates them, in a
     tf.function and inside a while loop's frame (Keras' steps_per_execution), even where
     it leaves Horovod's fusion alone, and the graph stays valid and acyclic."""
-    import tensorflow as tf
-    path = tmp_path / ("loop.pb" if loop else "tape.pb")
-    build_horovod_graph(_TAPE_STEP, path)
-    graph_def = tf.compat.v1.GraphDef()
-    graph_def.ParseFromString(path.read_bytes())
+    graph_def = horovod_graphs["caramel_tape_loop" if loop else "caramel_tape"]
     gates = gradient_gates(graph_def)
     nodes = {n.name: n for n in graph_def.node}
     model = GraphModel.from_graph_def(graph_def)
@@ -297,13 +288,13 @@ with open(sys.argv[1], "wb") as stream:
     stream.write(graph.as_graph_def().SerializeToString())
 """
 
+#: Built together with the other modules' graphs (conftest's horovod_graphs fixture).
+HOROVOD_GRAPHS = {"caramel_branches": _BRANCHES, "caramel_tape": _TAPE_STEP,
+                  "caramel_tape_loop": _TAPE_STEP, "caramel_gated_by_tf1": _GATED_BY_TF1}
 
-def test_gradients_that_tf1_already_gates_get_no_edge(tmp_path):
-    import tensorflow as tf
-    path = tmp_path / "gated.pb"
-    build_horovod_graph(_GATED_BY_TF1, path)
-    graph_def = tf.compat.v1.GraphDef()
-    graph_def.ParseFromString(path.read_bytes())
+
+def test_gradients_that_tf1_already_gates_get_no_edge(horovod_graphs):
+    graph_def = horovod_graphs["caramel_gated_by_tf1"]
     assert any(n.op == "HorovodAllreduce" for n in graph_def.node)
     assert gradient_gates(graph_def) == []
 
@@ -381,11 +372,10 @@ def test_bad_caramel_options_are_named(horovod_graph, options, message):
         _rewrite(horovod_graph, **options)
 
 
-def test_split_gradients_are_reassembled_exactly(tmp_path):
+def test_split_gradients_are_reassembled_exactly(horovod_graphs):
     """A gradient cut in three pieces over two buckets reduces to the same values
     (one rank: the reduction is the identity, so the result must equal the input)."""
-    path = tmp_path / "graph.pb"
-    build_horovod_graph(_BRANCHES, path)
+    path = horovod_graphs.paths["caramel_branches"]
     result = run_python(f"""
 import numpy as np, tensorflow as tf
 import horovod.tensorflow as hvd
@@ -440,14 +430,14 @@ def network():
         yield emulated
 
 
-@pytest.mark.parametrize("ranks, controller, variants", [
-    (2, "gloo", ["horovod", "flag", "dropin"]),
-    (2, "mpi", ["horovod", "dropin"]),
-    (4, "gloo", ["horovod", "dropin"]),
-    (4, "mpi", ["horovod", "flag"]),
-])
-@pytest.mark.parametrize("mode", ["graph", "tf2"])
-def test_caramel_trains_exactly_like_horovod(network, ranks, controller, variants, mode):
+# Each mode with both ways in (the flag and the drop-in) against plain Horovod in one job;
+# between them 2 and 4 ranks, MPI and Gloo. (Gloo with 2 ranks in both modes: the control
+# flow test below; Keras with MPI: the model.fit test.)
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, ranks, controller", [("graph", 2, "mpi"),
+                                                     ("tf2", 4, "gloo")])
+def test_caramel_trains_exactly_like_horovod(network, mode, ranks, controller):
+    variants = ["horovod", "flag", "dropin"]
     reports = _reports(_job(network, ranks, controller, [mode, "4"] + variants), ranks)
     for rank in range(ranks):
         plain = reports[(rank, "horovod")]["losses"]
@@ -463,6 +453,7 @@ def test_caramel_trains_exactly_like_horovod(network, ranks, controller, variant
     assert len(digests) == 1
 
 
+@pytest.mark.slow
 def test_a_profiled_warm_up_plans_with_measured_times_and_trains_like_horovod(network):
     """configure(profile_steps=2): every rank plans with rank 0's measured op times (the
     same plan on both ranks), and training is plain Horovod's."""
@@ -506,40 +497,44 @@ import tfoverlap.horovod as tfo_hvd
 from tfoverlap.costs.profile import load_profile
 tf.compat.v1.disable_eager_execution()
 hvd.init()
-graph = tf.Graph()
-with graph.as_default():
-    weight = tf.compat.v1.get_variable("w", [32, 32], use_resource=True)
-    batch = None if sys.argv[1] == "dynamic" else 8
-    inputs = tf.compat.v1.placeholder(tf.float32, [batch, 32], name="inputs")
-    gradient, = tf.gradients(tf.reduce_sum(tf.matmul(inputs, weight)), [weight])
-path = tfo_hvd.warmup_profile(graph, [gradient], 2, {})
-result = {"path": path}
-if path:
-    result["ops"] = len(load_profile(path).op_seconds)
-    os.remove(path)
-print(json.dumps(result))
+for shape in sys.argv[1:]:
+    print("--- " + shape, file=sys.stderr, flush=True)
+    graph = tf.Graph()
+    with graph.as_default():
+        weight = tf.compat.v1.get_variable("w", [32, 32], use_resource=True)
+        batch = None if shape == "dynamic" else 8
+        inputs = tf.compat.v1.placeholder(tf.float32, [batch, 32], name="inputs")
+        gradient, = tf.gradients(tf.reduce_sum(tf.matmul(inputs, weight)), [weight])
+    path = tfo_hvd.warmup_profile(graph, [gradient], 2, {})
+    result = {"shape": shape, "path": path}
+    if path:
+        result["ops"] = len(load_profile(path).op_seconds)
+        os.remove(path)
+    print(json.dumps(result), flush=True)
 """
 
 
-@pytest.mark.parametrize("batch", ["static", "dynamic"])
-def test_a_warm_up_that_cannot_run_leaves_the_static_estimates_with_a_warning(tmp_path,
-                                                                              batch):
+def test_a_warm_up_that_cannot_run_leaves_the_static_estimates_with_a_warning(tmp_path):
     """Rank 0's warm-up is shared through Horovod; where it cannot run (a placeholder of
-    unknown batch size), the wrapper says why in one warning and plans without it."""
+    unknown batch size), the wrapper says why in one warning and plans without it. (One
+    process: a graph with a static batch first, which profiles without a word, then one
+    without.)"""
     import subprocess
     script = tmp_path / "warmup.py"
     script.write_text(_WARMUP_JOB)
     env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
-    result = subprocess.run([sys.executable, str(script), batch], env=env,
+    result = subprocess.run([sys.executable, str(script), "static", "dynamic"], env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    record = json.loads(result.stdout.strip().splitlines()[-1])
-    if batch == "static":
-        assert record["path"] and record["ops"] > 0
-    else:
-        assert record["path"] == ""
-        assert "placeholder 'inputs' has no static shape" in result.stderr
-        assert "Caramel plans with static estimates" in result.stderr
+    static, dynamic = (json.loads(line) for line in result.stdout.strip().splitlines()
+                       if line.startswith("{"))
+    assert static["shape"] == "static" and static["path"] and static["ops"] > 0
+    assert dynamic["shape"] == "dynamic" and dynamic["path"] == ""
+    quiet, said = result.stderr.split("--- dynamic")
+    for message in ("has no static shape", "Caramel plans with static estimates"):
+        assert message not in quiet, quiet[-3000:]
+    assert "placeholder 'inputs' has no static shape" in said
+    assert said.count("Caramel plans with static estimates") == 1, said[-3000:]
 
 
 @pytest.mark.parametrize("options, message", [
@@ -553,6 +548,7 @@ def test_bad_warm_up_options_are_named(options, message):
         tfo_hvd.configure(**options)
 
 
+@pytest.mark.slow
 def test_cross_step_defers_the_last_gradients_and_trains_exactly_like_horovod(network):
     """configure(cross_step=True): the gradients ready last are stored at the end of a
     step, reduced after it, and applied before anything uses those variables. The losses
@@ -570,12 +566,20 @@ def test_cross_step_defers_the_last_gradients_and_trains_exactly_like_horovod(ne
         assert deferred["weights"] == plain["weights"], rank
 
 
+@pytest.mark.slow
 def test_cross_step_on_the_transformer_defers_its_embedding_and_keeps_the_losses(network):
     """The transformer reads its embedding with a gather, not a plain read: with the
     embedding deferred, its forward pass still waits for the update, and losses and final
-    weights are plain Horovod's."""
+    weights are plain Horovod's. (The benchmark's transformer with 2 of its 12 layers:
+    the same embedding, gather and layers, in less than half the time.)"""
     job = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_models.py")
-    result = run_horovod(network, 2, [sys.executable, job, "transformer"],
+    two_layers = ("import functools, runpy, sys\n"
+                  "from tfoverlap.testbed import models\n"
+                  "models.transformer_model = functools.partial(models.transformer_model,"
+                  " layers=2)\n"
+                  "sys.argv = [sys.argv[0], 'transformer']\n"
+                  f"runpy.run_path({job!r}, run_name='__main__')\n")
+    result = run_horovod(network, 2, [sys.executable, "-c", two_layers],
                          controller="gloo", timeout=420)
     assert result.returncode == 0, [o[-3000:] for o in result.outputs]
     for output in result.outputs:
@@ -585,11 +589,12 @@ def test_cross_step_on_the_transformer_defers_its_embedding_and_keeps_the_losses
         assert record["same_losses"] and record["same_final_weights"], record
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_keras_model_fit_trains_with_caramels_plan_like_horovod_keras(network, controller):
+@pytest.mark.slow
+def test_keras_model_fit_trains_with_caramels_plan_like_horovod_keras(network):
     """tfoverlap.horovod.keras.DistributedOptimizer in model.fit: Horovod Keras's losses,
-    and the plan of the train function is the same on both ranks."""
-    reports = _reports(_job(network, 2, controller, ["keras", "4", "horovod", "dropin"]), 2)
+    and the plan of the train function is the same on both ranks. (Under MPI; Keras
+    under Gloo: the timeline test below and tests/test_examples.py.)"""
+    reports = _reports(_job(network, 2, "mpi", ["keras", "4", "horovod", "dropin"]), 2)
     for rank in (0, 1):
         plain = reports[(rank, "horovod")]["losses"]
         assert len(plain) == 4 and np.isfinite(plain).all()
@@ -599,6 +604,7 @@ def test_keras_model_fit_trains_with_caramels_plan_like_horovod_keras(network, c
     assert len({reports[(r, "dropin")]["plan"]["plan_digest"] for r in (0, 1)}) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["graph", "tf2"])
 def test_caramel_trains_a_model_with_control_flow_exactly_like_horovod(network, mode):
     """A while loop reading a weight in every iteration and a cond whose branch alternates:
@@ -618,6 +624,7 @@ def test_caramel_trains_a_model_with_control_flow_exactly_like_horovod(network, 
         assert len({reports[(r, variant)]["plan"]["plan_digest"] for r in (0, 1)}) == 1
 
 
+@pytest.mark.slow
 def test_backward_order_is_fixed_and_the_same_on_every_rank(network):
     """Eight independent branches: plain Horovod's gradient order changes from step to
     step; with Caramel (flag or drop-in) every traced step on every rank follows the plan."""
@@ -635,6 +642,7 @@ def test_backward_order_is_fixed_and_the_same_on_every_rank(network):
     assert len(set(plain)) > 1, "plain Horovod's order never varied: the test shows nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, variant", [("graph", "flag"), ("keras", "dropin")])
 def test_buckets_and_their_order_show_in_horovods_timeline(network, tmp_path, mode, variant):
     """Graph mode with the session flag, and Keras model.fit with tfoverlap.horovod.keras."""
@@ -676,6 +684,7 @@ def _timeline_rows(text: str) -> dict:
             for name, record in read_timeline(text).items()}
 
 
+@pytest.mark.slow
 def test_ranks_with_different_plans_fail_with_a_clear_error(network):
     env = {"CARAMEL_TEST_RANK1_BANDWIDTH": "10Mbit"}
     result = _job(network, 2, "gloo", ["graph", "2", "flag"], env=env, timeout=180)

@@ -11,7 +11,7 @@ from tfoverlap import cli
 from tfoverlap.costs.profile import Profile, save_profile
 from tfoverlap.sim.whatif import Scenario, SimulationError, predict
 from tfoverlap.testbed.models import chain_model
-from tests.helpers import build_horovod_graph, local_config, traced_run
+from tests.helpers import local_config, traced_run
 
 KERNEL_BYTES = 64 * 64 * 4
 LAYERS = 4
@@ -280,9 +280,8 @@ with open(sys.argv[1], "wb") as stream:
 """
 
 
-def test_allreduce_graphs_use_the_ring_model(capsys, tmp_path):
-    path = tmp_path / "horovod.pb"
-    build_horovod_graph(_HOROVOD_GRAPH, path)
+def test_allreduce_graphs_use_the_ring_model(capsys, horovod_graphs):
+    path = horovod_graphs.paths["cli_one_allreduce"]
     code, out, _ = run(capsys, "inspect", path)
     assert code == 0 and "HorovodAllreduce x1" in out
     code, out, _ = run(capsys, "simulate", path, "--algo", "default", "--workers", 4,
@@ -321,10 +320,13 @@ with open(sys.argv[1], "wb") as stream:
     stream.write(graph.as_graph_def().SerializeToString())
 """
 
+#: Built together with the other modules' graphs (conftest's horovod_graphs fixture).
+HOROVOD_GRAPHS = {"cli_one_allreduce": _HOROVOD_GRAPH, "cli_chain": _HOROVOD_CHAIN}
 
-def test_caramel_plan_is_never_worse_than_horovods_fusion_in_the_simulation(capsys, tmp_path):
-    path = tmp_path / "chain.pb"
-    build_horovod_graph(_HOROVOD_CHAIN, path)
+
+def test_caramel_plan_is_never_worse_than_horovods_fusion_in_the_simulation(capsys, tmp_path,
+                                                                             horovod_graphs):
+    path = horovod_graphs.paths["cli_chain"]
     graph_def = cli.load_graph(str(path))
     profile_path = tmp_path / "profile.json"
     save_profile(Profile(op_seconds={node.name: 0.002 for node in graph_def.node},

@@ -272,6 +272,7 @@ def _train(cluster, config, use_resource, training, version, trace=False):
     return losses, orders
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["v2", "v1"])
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])

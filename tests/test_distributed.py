@@ -18,6 +18,8 @@ from helpers import SERIAL, latest_report_with_transfers, traced_run
 
 STEPS = 20
 
+pytestmark = pytest.mark.slow     # every test here starts PS tasks as processes
+
 
 def kendall_tau(order, reference):
     position = {name: i for i, name in enumerate(order)}

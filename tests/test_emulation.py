@@ -554,27 +554,27 @@ import sys
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
-tf.compat.v1.disable_eager_execution()
 hvd.init()
-x = tf.constant(np.ones((64, 1024), np.float32))
-w = tf.compat.v1.get_variable("w", [1024, 1024])
-loss = tf.reduce_sum(tf.matmul(x, w))
-(gradient,) = tf.gradients(loss, [w])
-reduced = hvd.allreduce(gradient, op=hvd.Sum, name="reduced")
-grouped = hvd.grouped_allreduce([gradient * 2.0, gradient * 3.0], op=hvd.Sum)
-train = tf.group(tf.compat.v1.assign_sub(w, reduced), *grouped, name="train")
-open(sys.argv[1], "wb").write(tf.compat.v1.get_default_graph().as_graph_def().SerializeToString())
+graph = tf.Graph()
+with graph.as_default():
+    x = tf.constant(np.ones((64, 1024), np.float32))
+    w = tf.compat.v1.get_variable("w", [1024, 1024])
+    loss = tf.reduce_sum(tf.matmul(x, w))
+    (gradient,) = tf.gradients(loss, [w])
+    reduced = hvd.allreduce(gradient, op=hvd.Sum, name="reduced")
+    grouped = hvd.grouped_allreduce([gradient * 2.0, gradient * 3.0], op=hvd.Sum)
+    train = tf.group(tf.compat.v1.assign_sub(w, reduced), *grouped, name="train")
+open(sys.argv[1], "wb").write(graph.as_graph_def().SerializeToString())
 """
 
+#: Built together with the other modules' graphs (conftest's horovod_graphs fixture).
+HOROVOD_GRAPHS = {"emulation_horovod_step": _HOROVOD_STEP}
 
-def test_horovod_collectives_stay_real(tmp_path):
+
+def test_horovod_collectives_stay_real(horovod_graphs):
     """Horovod's ops are not stateful to TensorFlow, and they are what is measured: never
     emulated, while the matmul and its gradients next to them are, with waits between."""
-    from helpers import build_horovod_graph
-    path = tmp_path / "graph.pb"
-    build_horovod_graph(_HOROVOD_STEP, path)
-    graph_def = tf.compat.v1.GraphDef()
-    graph_def.ParseFromString(path.read_bytes())
+    graph_def = horovod_graphs["emulation_horovod_step"]
     new, report = tfoverlap.optimize(graph_def, fetch=["train"], schedule="none",
                                      emulate="v100")
     collectives = [n for n in graph_def.node if n.op.startswith("Horovod")]

@@ -109,6 +109,7 @@ def _planned_order(report_dir):
     raise AssertionError(f"no report with ordered transfers in {report_dir}")
 
 
+@pytest.mark.slow
 def test_an_unmodified_ps_program_is_ordered_under_tfoverlap_run(ps_task, tmp_path):
     baseline, _, _ = _worker(ps_task, tmp_path)
     reports = tmp_path / "reports"
@@ -124,6 +125,7 @@ def test_an_unmodified_ps_program_is_ordered_under_tfoverlap_run(ps_task, tmp_pa
     assert len(summary) == 1 and "ordered 8 PS transfers" in summary[0], stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_programs_own_rewriter_config_takes_effect_under_tfoverlap_run(ps_task, tmp_path):
     reports = tmp_path / "reports"
     rewriter_config = (
@@ -181,6 +183,7 @@ def _ps_strategy_job(tmp_path, chief_prefix=()):
     return losses, profiled_op_starts(xspace, reads), result.stderr
 
 
+@pytest.mark.slow
 def test_a_ps_strategy_job_has_its_transfers_ordered_by_the_workers(tmp_path):
     """ParameterServerStrategy: the coordinator's option reaches the workers, whose Grappler
     orders each scheduled step's PS reads; the PS runs them in the planned order, every

@@ -47,6 +47,7 @@ def test_the_fastest_round_is_the_links_rate_when_other_workers_probe_at_once():
         link_probe.link_from_rounds(extra, [(0.011, 0.011, 0.004, 0.006)] * 3)
 
 
+@pytest.mark.slow
 def test_a_probe_that_cannot_measure_is_remembered_and_the_plan_says_why(monkeypatch):
     """A graph on a PS task that never started: the probe gives up within its time, the
     next session start does not probe again, and TicTac's link line says why it assumed."""
@@ -105,6 +106,7 @@ _FILTERED_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_worker_that_filters_its_devices_starts_while_another_worker_is_down(tmp_path):
     """1 PS, 2 workers, worker 1 never started; worker 0 filters its devices (TensorFlow's
     advice for PS jobs). Plain TensorFlow trains; with TfOverlap it trains too, within a
@@ -185,6 +187,7 @@ def test_the_ps_task_on_the_workers_own_host_is_not_probed(monkeypatch):
     assert sorted(host.measured_links()) == [link_probe._link_device(t) for t in asked[::-1]]
 
 
+@pytest.mark.slow
 def test_many_ps_tasks_share_the_probes_time():
     """Three PS tasks and rounds enough to take the whole time for the first: each task
     gets its part, so every link is measured and the probe ends in time."""

@@ -13,7 +13,15 @@ from tfoverlap.bench import metrics
 from tfoverlap.testbed.network import EmulatedNetwork, NetworkError, leftovers
 
 IS_ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not IS_ROOT, reason="network namespaces need root")
+
+
+def needs_root(test):
+    """Network namespaces: they need root, and they take the machine-wide testbed lock, so
+    they are in the slow tier (a benchmark or Horovod test running beside them holds it)."""
+    skip = pytest.mark.skipif(not IS_ROOT, reason="network namespaces need root")
+    return pytest.mark.slow(skip(test))
+
+
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "allreduce_ranks.py")
 
 
@@ -190,6 +198,7 @@ def test_interrupted_run_tears_everything_down(signum):
 
 
 # ---------------------------------------------------------------- the Horovod launchers
+@pytest.mark.slow
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 @pytest.mark.parametrize("loopback", [False, True])
 def test_horovod_launcher_runs_one_rank_per_host(controller, loopback):
