@@ -43,7 +43,7 @@ import sys
 from tfoverlap.bench.allreduce_worker import CARAMEL_VARIANTS
 from tfoverlap.bench.dilation import FIRST_DILATION, next_dilation, parse_dilation
 from tfoverlap.bench.ps import link_name
-from tfoverlap.bench.report import progress
+from tfoverlap.bench.report import progress, speedup_cell
 from tfoverlap.options import parse_bandwidth
 
 __all__ = ["DEFAULT_BATCH", "run_configuration", "summarize", "main"]
@@ -375,8 +375,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| model | link | batch | variant | iteration s (p10-p90) | speed-up (95% CI) | "
              "comm/comp | E | predicted s (error) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        speedup = ("1.00x" if row["variant"] == "horovod" else
-                   f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f})")
+        speedup = "1.00x" if row["variant"] == "horovod" else speedup_cell(row)
         variant = row["variant"] + (f" ({row['caramel_buckets']} buckets)"
                                     if row["caramel_buckets"] != "" else "")
         efficiency = row["efficiency"]

@@ -8,8 +8,8 @@ import os
 import sys
 import time
 
-__all__ = ["progress", "write_csv", "write_result_rows", "markdown_table", "plot_speedups",
-           "plot_timelines", "RESULT_FIELDS"]
+__all__ = ["progress", "write_csv", "write_result_rows", "markdown_table", "speedup_cell",
+           "plot_speedups", "plot_timelines", "RESULT_FIELDS"]
 
 #: The fields of a row in docs/results/*.json (every benchmark writes them).
 RESULT_FIELDS = ("model", "mode", "workers", "link", "variant", "iteration_s", "speedup",
@@ -85,6 +85,16 @@ def _number(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def speedup_cell(row: dict, detail: str = "") -> str:
+    """A variant's speed-up with its 95% interval (and ``detail``: the range over rounds),
+    in bold only where the interval leaves out 1: a speed-up that could be noise is not
+    shown as a result."""
+    text = f"{row['speedup']:.2f}x"
+    if row["ci_low"] > 1 or row["ci_high"] < 1:
+        text = f"**{text}**"
+    return f"{text} ({row['ci_low']:.2f}-{row['ci_high']:.2f}{detail})"
+
+
 def markdown_table(rows: list[dict]) -> str:
     """One line per configuration and variant; the default's line carries comm/comp."""
     lines = ["| model | mode | batch | link | variant | iteration s (p10-p90) | samples/s | "
@@ -95,8 +105,8 @@ def markdown_table(rows: list[dict]) -> str:
                   if "round_low" in row else "")
         later = (f"; after each block's first step {row['later_speedup']:.2f}x"
                  if "later_speedup" in row else "")
-        speedup = (f"**{row['speedup']:.2f}x** ({row['ci_low']:.2f}-{row['ci_high']:.2f}"
-                   f"{rounds}){later}" if row["variant"] != "default" else "1.00x")
+        speedup = (speedup_cell(row, rounds) + later if row["variant"] != "default"
+                   else "1.00x")
         lines.append(
             f"| {row['model']} | {row['mode']} | {row['batch']} | {row['link']} "
             f"| {row['variant']} | {row['median_s']:.3f} ({row['p10_s']:.3f}-{row['p90_s']:.3f}) "
