@@ -9,8 +9,8 @@ import dataclasses
 import logging
 
 from tfoverlap.horovod.core.layout import BucketLayout, flattened, padded
-from tfoverlap.horovod.session.deferral import (DEFERRABLE_OPTIMIZERS, deferral_refused,
-                                                mark_deferred, not_reduced_alone)
+from tfoverlap.horovod.session.deferral import (deferral_refused, mark_deferred,
+                                                not_reduced_alone)
 from tfoverlap.horovod.session.pending import (arrival_queue, pending_summaries,
                                                register_pending, stage_results, staged_apply)
 from tfoverlap.horovod.session.saves import install_session_saves
@@ -18,10 +18,8 @@ from tfoverlap.horovod.session.sharded_state import (ShardedState, expose_whole_
                                                      sharded_states)
 from tfoverlap.log import logger
 
-__all__ = ["decoupling_refused", "decouple_updates", "decoupling_summary",
-           "DECOUPLABLE_OPTIMIZERS"]
+__all__ = ["decoupling_refused", "decouple_updates", "decoupling_summary"]
 
-DECOUPLABLE_OPTIMIZERS = DEFERRABLE_OPTIMIZERS
 
 
 def decoupling_refused(optimizer, variables, reduced, reduction: dict) -> str:
