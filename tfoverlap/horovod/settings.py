@@ -46,12 +46,9 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
             or not 0 <= profile_steps <= 100):
         raise ValueError(f"profile_steps must be an integer from 0 to 100, not "
                            f"{profile_steps!r}")
-    if not (cross_step is True or cross_step is False
-            or isinstance(cross_step, str) and cross_step == "auto"):
-        raise ValueError(f"cross_step must be True, False or \"auto\", not {cross_step!r}")
-    if not (decouple is True or decouple is False
-            or isinstance(decouple, str) and decouple == "auto"):
-        raise ValueError(f"decouple must be True, False or \"auto\", not {decouple!r}")
+    for name, value in (("cross_step", cross_step), ("decouple", decouple)):
+        if not (value is True or value is False or isinstance(value, str) and value == "auto"):
+            raise ValueError(f"{name} must be True, False or \"auto\", not {value!r}")
     if profile_steps and options.get("profile"):
         raise ValueError("give either profile (a profile file) or profile_steps (a "
                            "profiled warm-up), not both")
@@ -65,7 +62,6 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
         _configured_wrapper["cross_step"] = cross_step
     if decouple is not False:
         _configured_wrapper["decouple"] = decouple
-
 
 
 def wrapper_option(name: str, default=None):
@@ -108,7 +104,6 @@ def caramel_options() -> dict:
         options.setdefault("threads", _measured["threads"])
         options.setdefault("cycle_ms", _measured["cycle_ms"])
     return options
-
 
 
 def decoupled_network() -> dict | None:

@@ -143,11 +143,7 @@ def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, va
     nothing (for the report)."""
     from tfoverlap.horovod.session.deferral import defer_updates
     graph = grads_and_vars[0][1].graph
-    # Pair i of grads_and_vars is entry reduced_at[i] of what the reduction returned.
-    reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
-                       None) for pair in grads_and_vars]
-    pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)
-               if j is not None and allreduces[j] is not None}
+    reduced_at, pair_of = _pairing(grads_and_vars, variables, allreduces)
     chunks, decision = plan_deferral(graph.as_graph_def(), pair_of, mode)
     if chunks:
         train = defer_updates(optimizer, grads_and_vars, _aligned(grads, reduced_at),
@@ -188,10 +184,7 @@ def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads,
     plan. Returns the train op."""
     from tfoverlap.horovod.session.decoupling import decouple_updates, decoupling_summary
     graph = grads_and_vars[0][1].graph
-    reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
-                       None) for pair in grads_and_vars]
-    pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)
-               if j is not None and allreduces[j] is not None}
+    reduced_at, pair_of = _pairing(grads_and_vars, variables, allreduces)
     buckets, gathers, decision = plan_decoupling(graph.as_graph_def(), pair_of,
                                                  len(grads_and_vars), mode)
     train = None
@@ -222,6 +215,17 @@ def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads,
     schedule_in_place(graph, [] if decision["decoupled"] else gradients,
                       decouple=decision)
     return train
+
+
+def _pairing(grads_and_vars, variables, allreduces) -> tuple[list, dict]:
+    """(reduced_at, pair_of): pair i of ``grads_and_vars`` is entry reduced_at[i] of what
+    the reduction returned (None where none is), and pair_of names each HorovodAllreduce
+    op of a pair after the pair's index."""
+    reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
+                       None) for pair in grads_and_vars]
+    pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)
+               if j is not None and allreduces[j] is not None}
+    return reduced_at, pair_of
 
 
 def _aligned(values, indices):

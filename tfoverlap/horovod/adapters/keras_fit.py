@@ -13,8 +13,7 @@ import weakref
 from tfoverlap.horovod.core.contract import (deferral_refused_by_reduction,
                                              reduce_without_cond)
 from tfoverlap.horovod.core.decisions import planned, record
-from tfoverlap.horovod.in_call.pending import (Deferral, apply_pending, build_slots,
-                                               make_buffers, optimizer_refused)
+from tfoverlap.horovod.in_call.pending import Deferral, build_slots, optimizer_refused
 from tfoverlap.horovod.settings import wrapper_option
 from tfoverlap.log import logger
 
@@ -83,28 +82,12 @@ def register(optimizer, reduction: dict) -> None:
     optimizer.minimize = types.MethodType(minimize, optimizer)
 
 
-def _reduce(optimizer, gradients, deferred: bool):
-    """Horovod's reduction of ``gradients`` as plain HorovodAllreduce ops (those Horovod's
-    cond holds), marked as deferred ones where ``deferred``."""
-    from tfoverlap.horovod.session.deferral import mark_deferred, reducing_allreduce
-    reduced = reduce_without_cond(gradients, _optimizers[optimizer])
-    if deferred:
-        for tensor in reduced:
-            mark_deferred(reducing_allreduce(tensor))
-    return reduced
-
-
-def _base(optimizer):
-    """The class Horovod's wrapper derives from: the program's optimizer class."""
-    return super(type(optimizer), optimizer)
-
-
 def _local_gradients(optimizer, loss, var_list, tape):
     """(gradient, variable) pairs of the step, unreduced (densified where Horovod's
     reduction would densify them first)."""
     import tensorflow as tf
     tape = tf.GradientTape() if tape is None else tape
-    base = _base(optimizer)
+    base = super(type(optimizer), optimizer)     # the program's class, Horovod's base
     if hasattr(base, "_compute_gradients"):          # the legacy optimizers
         pairs = base._compute_gradients(loss, var_list, None, tape=tape)  # noqa: SLF001
     else:
@@ -134,7 +117,7 @@ def _minimize(optimizer, deferral, loss, var_list, tape):
                        "in this trace of the step; its gradients are reduced in the step")
         stored = []
     kept = [i for i in range(len(pairs)) if i not in stored]
-    reduced = _reduce(optimizer, [gradients[i] for i in kept], deferred=False)
+    reduced = reduce_without_cond([gradients[i] for i in kept], deferral.reduction)
     if deferral.planning is not None:
         from tfoverlap.horovod.session.deferral import reducing_allreduce
         for i, tensor in zip(kept, reduced):
@@ -163,12 +146,6 @@ def _decoupled_update(optimizer, deferral, loss, var_list, tape):
     return deferral.decoupled.update(gradients)
 
 
-def _apply_pending(optimizer, deferral) -> list:
-    """What the step before left pending, reduced and applied (:func:`apply_pending`)."""
-    return apply_pending(optimizer, deferral,
-                         lambda tensors: _reduce(optimizer, tensors, deferred=True))
-
-
 def _plan(model, optimizer, train_step, data) -> Deferral:
     """Traces ``train_step`` apart, plans the deferral from that graph, and builds the
     buffers; a deferral of nothing (with the reason) where it should not defer."""
@@ -178,8 +155,9 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
     mode = wrapper_option("cross_step", "auto")
     decouple = wrapper_option("decouple", False)
     level = logging.WARNING if (decouple or mode) is True else logging.INFO
-    deferral = Deferral(decision=planned("cross_step", mode),
-                         variables=list(model.trainable_variables))
+    deferral = Deferral(decision=planned("cross_step", mode), optimizer=optimizer,
+                        variables=list(model.trainable_variables),
+                        reduction=_optimizers[optimizer])
     refused = deferral_refused(model, optimizer)
     if refused:
         if decouple:
@@ -216,16 +194,11 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
         steps = int(model._steps_per_execution.numpy())  # noqa: SLF001 - checked above
     chunks, deferral.decision = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode,
                                               drain_every=steps)
-    deferred = sum(len(chunk) for chunk in chunks)
-    if chunks and deferred >= len(deferral.variables):
-        chunks, deferral.decision["reason"] = [], "every gradient would be deferred"
-    if not chunks:
+    if not deferral.keep(chunks, len(deferral.variables)):
         logger.log(level, "tfoverlap: cross_step: nothing deferred: %s",
                    deferral.decision.get("reason"))
         return deferral
-    deferral.chunks = chunks
-    make_buffers(deferral)
-    deferral.drain = tf.function(lambda: _apply_pending(optimizer, deferral))
+    deferral.drain = tf.function(lambda: deferral.finish_pending())
     deferral.say_deferred("model.fit")
     return deferral
 
@@ -240,8 +213,8 @@ def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
     from tfoverlap.horovod.in_call.decoupling import decoupled_for, plan, refused
     level = logging.WARNING if mode is True else logging.INFO
     variables = deferral.variables
-    buckets, gathers, decision = plan(graph, own, len(variables), _optimizers[optimizer],
-                                      mode, refused(optimizer, variables))
+    buckets, gathers, decision = plan(graph, own, len(variables), deferral.reduction, mode,
+                                      refused(optimizer, variables))
     decision["api"] = "keras"
     if not buckets:
         logger.log(level, "tfoverlap: decouple: nothing decoupled: %s", decision.get("reason"))
@@ -249,7 +222,7 @@ def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
         deferral.decision = decision
         return False
     deferral.decoupled = decoupled_for(optimizer, variables, buckets, gathers,
-                                       _optimizers[optimizer])
+                                       deferral.reduction)
     deferral.decision = {**decision, **deferral.decoupled.summary()}
     deferral.chunks = deferral.decoupled.chunks
     deferral.drain = tf.function(deferral.decoupled.gather_pending)
@@ -287,10 +260,7 @@ def _pipelined(model, train_step, own_step):
         # the update stays whole for the drain (else it could be cut off part way).
         with tf.control_dependencies([t for t in tf.nest.flatten(data, expand_composites=True)
                                       if isinstance(t, tf.Tensor)]):
-            if deferral.decoupled is not None:
-                deferral.decoupled.gather_pending()
-            else:
-                _apply_pending(model.optimizer, deferral)
+            deferral.finish_pending()
         _active.append(deferral)
         try:
             return train_step(data)

@@ -16,8 +16,7 @@ from tfoverlap.horovod.core.decisions import planned, record
 from tfoverlap.horovod.core.patching import patch
 from tfoverlap.horovod.in_call.loops import (INPUT_OPS, READ_OPS, Loop, handle_in, install,
                                              loop_of, staging, unordered_reads)
-from tfoverlap.horovod.in_call.pending import (Deferral, apply_pending, build_slots,
-                                               make_buffers, optimizer_refused)
+from tfoverlap.horovod.in_call.pending import Deferral, build_slots, optimizer_refused
 from tfoverlap.log import info_once, warn_once
 
 __all__ = ["attach", "install"]
@@ -36,19 +35,9 @@ class _TapeDeferral(Deferral):
     level: int = logging.INFO       # of its lines: WARNING where cross_step=True asked
     gradients: list = dataclasses.field(default_factory=list)   # unreduced, by index
     reduced: list = dataclasses.field(default_factory=list)     # what the tape returned
-    reduction: dict = dataclasses.field(default_factory=dict)   # Horovod's arguments
-    optimizer: object = None
     traced: int = 0                 # the body's ops up to the last of the deferral's own
     key: tuple = ()                 # its variables' refs, as _plans keys them
     decoupling: tuple = ()          # decouple's plan: (buckets, all-gather requests)
-
-    def reduce(self, tensors):
-        """``tensors`` reduced as Horovod would, marked as deferred reductions."""
-        from tfoverlap.horovod.session.deferral import mark_deferred, reducing_allreduce
-        reduced = reduce_without_cond(tensors, self.reduction)
-        for tensor in reduced:
-            mark_deferred(reducing_allreduce(tensor))
-        return reduced
 
     @property
     def option(self) -> str:
@@ -71,14 +60,6 @@ class _TapeDeferral(Deferral):
                 "were (changed first: clipped by global norm, scaled, ...)")
             _record(self)
             _say(self.level, f"nothing {self.done}: {self.decision['reason']}", self.option)
-
-    def finish_pending(self) -> list:
-        """What the step before left pending, done: the deferred reductions reduced and
-        applied, or (decoupled) the updated shards all-gathered and assigned. Returns each
-        chunk's update (a boolean tensor), in order."""
-        if self.decoupled is not None:
-            return self.decoupled.gather_pending()
-        return apply_pending(self.optimizer, self, self.reduce)
 
 
 def attach(tape, reduction: dict, mode) -> None:
@@ -151,15 +132,10 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
                        plan_deferral(graph.as_graph_def(add_shapes=True), own, mode))
     chunks, decision = _plans[key]
     deferral.decision.update(decision, api="tape")
-    deferred = sum(len(chunk) for chunk in chunks)
-    if chunks and deferred >= len(own):
-        chunks, deferral.decision["reason"] = [], "every gradient would be deferred"
-    if not chunks:
+    if not deferral.keep(chunks, len(own)):
         _record(deferral)
         _say(level, f"nothing deferred: {deferral.decision.get('reason')}")
         return reduced
-    deferral.chunks = chunks
-    make_buffers(deferral)
     for index in deferral.deferred:
         _by_gradient[reduced[index].ref()] = deferral
     loop.planned.append(deferral)
@@ -344,29 +320,19 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
             for read in reads[index]:
                 read._add_control_input(update.op)  # noqa: SLF001 - see _unordered
                 unordered.add(read.name)
-    if deferral.decoupled is not None:
-        return _decoupled_update(deferral)
-    for index in sorted(deferral.deferred):
-        deferral.buffers[index].assign(deferral.gradients[index])
-    deferral.pending.assign(True)
-    deferred = deferral.deferred
-    result = apply_kept([pair for pair in pairs
-                         if not any(pair[1] is deferral.variables[i] for i in deferred)])
+    if deferral.decoupled is not None:      # its update (TapeDecoupled.update)
+        result = deferral.decoupled.update(deferral.gradients)
+        deferral.decision.update(deferral.decoupled.summary())
+        deferral.decoupled.say("DistributedGradientTape", deferral.decision)
+    else:
+        for index in sorted(deferral.deferred):
+            deferral.buffers[index].assign(deferral.gradients[index])
+        deferral.pending.assign(True)
+        deferred = deferral.deferred
+        result = apply_kept([pair for pair in pairs
+                             if not any(pair[1] is deferral.variables[i] for i in deferred)])
+        deferral.say_deferred("DistributedGradientTape")
     deferral.traced = len(graph.get_operations())
     deferral.loop.deferrals.append(deferral)
-    deferral.say_deferred("DistributedGradientTape")
     _record(deferral)
     return result
-
-
-def _decoupled_update(deferral: _TapeDeferral):
-    """The decoupled step's update (:meth:`TapeDecoupled.update`), kept for the drain."""
-    result = deferral.decoupled.update(deferral.gradients)
-    deferral.traced = len(deferral.body.get_operations())
-    deferral.loop.deferrals.append(deferral)
-    deferral.decision.update(deferral.decoupled.summary())
-    _record(deferral)
-    deferral.decoupled.say("DistributedGradientTape", deferral.decision)
-    return result
-
-

@@ -42,6 +42,22 @@ class BucketLayout:
             offset += count
         return parts
 
+    def split(self, flat) -> list:
+        """(member, its flat values) of the bucket's flat whole vector ``flat``."""
+        import tensorflow as tf
+        return list(zip(self.members, tf.split(flat[:self.total], list(self.counts))))
+
+    def shard_of(self, rank: int, value_of):
+        """``rank``'s shard of the bucket: each member's part that it owns (``value_of(i)``:
+        member ``i``'s tensor), zero-padded to ``shard`` elements."""
+        import tensorflow as tf
+        parts = [tf.slice(flattened(value_of(self.members[position])), [first], [end - first])
+                 for position, first, end in self.owned(rank)]
+        owned = sum(end - first for _, first, end in self.owned(rank))
+        if owned < self.shard:
+            parts.append(tf.zeros([self.shard - owned]))
+        return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
 
 def flattened(tensor):
     import tensorflow as tf

@@ -290,21 +290,10 @@ def whole_slots(optimizer) -> dict:
     """The whole optimizer state of every variable that ``optimizer``'s tape steps
     decoupled: {variable ref: {slot name: value}} (eager; collective: every rank calls
     it, after the same calls)."""
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
     state = {}
     for decoupled in decoupled_of_optimizer.get(optimizer, []):
-        for b, layout in enumerate(decoupled.layouts):
-            slots = decoupled.slot_variables(b)
-            names = sorted(slots)
-            gathered = hvd.grouped_allgather([tf.convert_to_tensor(slots[n]) for n in names],
-                                             process_set=decoupled.process_set)
-            for name, whole in zip(names, gathered):
-                values = tf.split(whole[:layout.total], list(layout.counts))
-                for i, value in zip(layout.members, values):
-                    variable = decoupled.variables[i]
-                    state.setdefault(variable.ref(), {})[name] = tf.reshape(value,
-                                                                            variable.shape)
+        for (i, name), value in decoupled.gathered_slots().items():
+            state.setdefault(decoupled.variables[i].ref(), {})[name] = value
     return state
 
 

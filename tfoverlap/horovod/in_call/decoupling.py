@@ -11,7 +11,7 @@ import itertools
 
 from tfoverlap.horovod.core.contract import decoupling_refused_by_reduction
 from tfoverlap.horovod.core.decisions import planned
-from tfoverlap.horovod.core.layout import BucketLayout, flattened, padded
+from tfoverlap.horovod.core.layout import BucketLayout, padded
 from tfoverlap.horovod.in_call.checkpoints import (decoupled_by_variables,
                                                    decoupled_of_optimizer, expose_whole_slots,
                                                    plain_order)
@@ -168,9 +168,7 @@ class TapeDecoupled:
         for chunk, wholes in zip(self.gathers, gathered):
             def assign(chunk=chunk, wholes=wholes):
                 for b, whole in zip(chunk, wholes):
-                    layout = self.layouts[b]
-                    values = tf.split(whole[:layout.total], list(layout.counts))
-                    for i, value in zip(layout.members, values):
+                    for i, value in self.layouts[b].split(whole):
                         self.variables[i].assign(tf.reshape(value, self.variables[i].shape),
                                                  read_value=False)
                 return tf.constant(True)
@@ -193,13 +191,8 @@ class TapeDecoupled:
             scattered.append(hvd.reducescatter(flat, op=self.op, process_set=self.process_set,
                                                name=f"tfoverlap_scatter{b}"))
         for b, layout in enumerate(self.layouts):
-            parts = [tf.slice(flattened(self.variables[layout.members[position]]), [first],
-                              [end - first]) for position, first, end in layout.owned(rank)]
-            owned = sum(end - first for _, first, end in layout.owned(rank))
-            if owned < layout.shard:
-                parts.append(tf.zeros([layout.shard - owned]))
             loads.append(self.shards[b].assign(
-                parts[0] if len(parts) == 1 else tf.concat(parts, 0), read_value=False))
+                layout.shard_of(rank, lambda i: self.variables[i]), read_value=False))
         with tf.control_dependencies(loads):
             result = self.optimizer.apply_gradients(list(zip(scattered, self.shards)))
         with tf.control_dependencies([result] if isinstance(result, tf.Tensor) else []):
@@ -239,19 +232,24 @@ class TapeDecoupled:
         self.calls += 1
         self.whole = {}
 
-    def consolidate(self) -> None:
-        """Every rank's shards of every slot all-gathered into whole values, kept until
-        the next train call (collective)."""
+    def gathered_slots(self) -> dict:
+        """Every rank's shards of every slot all-gathered: {(variable index, slot name):
+        whole value} (collective)."""
         import horovod.tensorflow as hvd
         import tensorflow as tf
+        wholes = {}
         for b, layout in enumerate(self.layouts):
             gathered = hvd.grouped_allgather(
                 [tf.convert_to_tensor(self.slot_variables(b)[name]) for name in self.slot_names],
                 process_set=self.process_set)
             for name, flat in zip(self.slot_names, gathered):
-                for i, value in zip(layout.members, tf.split(flat[:layout.total],
-                                                             list(layout.counts))):
-                    self.whole[i, name] = tf.reshape(value, self.variables[i].shape)
+                for i, value in layout.split(flat):
+                    wholes[i, name] = tf.reshape(value, self.variables[i].shape)
+        return wholes
+
+    def consolidate(self) -> None:
+        """The whole values of every slot gathered, kept until the next train call."""
+        self.whole.update(self.gathered_slots())
         self.whole_at = self.calls
 
     @property

@@ -21,23 +21,15 @@ __all__ = ["install", "loop_of", "staging", "handle_in", "Loop", "READ_OPS", "IN
 
 #: the ops that only read a variable: those of a deferred one may come before its update
 READ_OPS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"))
-
-
 #: the ops that take a batch from an iterator, and fail where it has run out
 INPUT_OPS = frozenset(("IteratorGetNext", "IteratorGetNextSync",
                        "MultiDeviceIteratorGetNextFromShard"))
 
 
-_loops: list = []                            # the while loops being traced, innermost last
-
-
+_loops: list = []                               # the while loops being traced, innermost last
 unordered_reads = weakref.WeakKeyDictionary()   # graph -> names of reads ACD leaves alone
-
-
-_drains_on_error = weakref.WeakKeyDictionary()   # function graph -> pending ref -> drain
-
-
-_trains = weakref.WeakKeyDictionary()        # function graph -> the shards its calls update
+_drains_on_error = weakref.WeakKeyDictionary()  # function graph -> pending ref -> drain
+_trains = weakref.WeakKeyDictionary()           # function graph -> the shards its calls update
 
 
 @dataclasses.dataclass
@@ -110,14 +102,11 @@ def _draining_on_error(plain_call):
     def call_flat(self, *args, **kwargs):
         for decoupled in _trains.get(self._func_graph, ()):  # noqa: SLF001
             decoupled.trained()
-        drains = _drains_on_error.get(self._func_graph)  # noqa: SLF001
-        if not drains:
-            return plain_call(self, *args, **kwargs)
         try:
             return plain_call(self, *args, **kwargs)
         except tf.errors.OutOfRangeError:
             if tf.executing_eagerly():
-                for drain in drains.values():
+                for drain in _drains_on_error.get(self._func_graph, {}).values():  # noqa: SLF001
                     drain()
             raise
     return call_flat

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfoverlap.horovod.core.contract import reduce_without_cond
 from tfoverlap.log import logger
 
 __all__ = ["Deferral", "apply_pending", "chained_where_pending",
@@ -33,10 +34,30 @@ class Deferral:
     drain: object = None
     drain_seconds: list = dataclasses.field(default_factory=list)   # per call, measured
     decoupled: object = None        # decoupled instead: its TapeDecoupled (in_call.decoupling)
+    optimizer: object = None        # the optimizer that applies them
+    reduction: dict = dataclasses.field(default_factory=dict)   # Horovod's arguments
 
     @property
     def deferred(self) -> set:
         return {index for chunk in self.chunks for index in chunk}
+
+    def keep(self, chunks, count: int) -> bool:
+        """Whether anything is deferred: ``chunks`` kept, with their buffers, unless they
+        hold every one of the step's ``count`` gradients (then the decision says so)."""
+        if chunks and sum(len(chunk) for chunk in chunks) >= count:
+            chunks, self.decision["reason"] = [], "every gradient would be deferred"
+        if chunks:
+            self.chunks = chunks
+            make_buffers(self)
+        return bool(chunks)
+
+    def finish_pending(self) -> list:
+        """What the step before left pending, done: the deferred reductions reduced and
+        applied (:func:`apply_pending`), or (decoupled) the updated shards all-gathered and
+        assigned. Returns each chunk's update (a boolean tensor), in order."""
+        if self.decoupled is not None:
+            return self.decoupled.gather_pending()
+        return apply_pending(self)
 
     def say_deferred(self, where: str) -> None:
         """Counts what is deferred into the decision, and says so in one line."""
@@ -117,19 +138,29 @@ def chained_where_pending(pending, chunks, collect, nothing) -> list[list]:
     return outputs
 
 
-def apply_pending(optimizer, deferral: Deferral, reduce) -> list:
-    """Reduces (``reduce``: a list of tensors to their deferred reductions) and applies the
-    pending deferred gradients, chunk by chunk, at the step count they came from; nothing
-    where none is pending. Returns each chunk's update (a boolean tensor), in order.
+def apply_pending(deferral: Deferral) -> list:
+    """Reduces and applies the pending deferred gradients, chunk by chunk, at the step
+    count they came from; nothing where none is pending. Returns each chunk's update (a
+    boolean tensor), in order.
 
-    Each chunk's reduction starts when the one before it has been reduced, not applied:
-    the ring goes from chunk to chunk, one request each, while the updates (which
-    TensorFlow runs one after another, as they share the optimizer's step counter) and
-    the forward pass follow behind."""
+    Each chunk's reduction (Horovod's, marked deferred: out of Caramel's in-step plan)
+    starts when the one before it has been reduced, not applied: the ring goes from chunk
+    to chunk, one request each, while the updates (which TensorFlow runs one after
+    another, as they share the optimizer's step counter) and the forward pass follow."""
     import tensorflow as tf
+
+    from tfoverlap.horovod.session.deferral import mark_deferred, reducing_allreduce
+    optimizer = deferral.optimizer
+
+    def reduce(chunk):
+        reduced = reduce_without_cond([deferral.buffers[i].read_value() for i in chunk],
+                                      deferral.reduction)
+        for tensor in reduced:
+            mark_deferred(reducing_allreduce(tensor))
+        return reduced
+
     reduced_chunks = chained_where_pending(
-        deferral.pending, deferral.chunks,
-        lambda chunk: reduce([deferral.buffers[i].read_value() for i in chunk]),
+        deferral.pending, deferral.chunks, reduce,
         lambda chunk: [tf.zeros_like(deferral.buffers[i]) for i in chunk])
     updates = []
     for chunk, reduced in zip(deferral.chunks, reduced_chunks):

@@ -8,18 +8,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from tfoverlap.horovod.core.layout import BucketLayout, flattened, padded
+from tfoverlap.horovod.core.layout import BucketLayout, padded
 from tfoverlap.horovod.session.deferral import (deferral_refused, mark_deferred,
                                                 not_reduced_alone)
-from tfoverlap.horovod.session.pending import (arrival_queue, pending_summaries,
-                                               register_pending, stage_results, staged_apply)
+from tfoverlap.horovod.session.pending import (arrival_queue, register_pending,
+                                               stage_results, staged_apply, summed_summaries)
 from tfoverlap.horovod.session.saves import install_session_saves
 from tfoverlap.horovod.session.sharded_state import (ShardedState, expose_whole_slots,
                                                      sharded_states)
 from tfoverlap.log import logger
 
 __all__ = ["decoupling_refused", "decouple_updates", "decoupling_summary"]
-
 
 
 def decoupling_refused(optimizer, variables, reduced, reduction: dict) -> str:
@@ -202,14 +201,8 @@ def _scattered_shards(layouts, local, variables, reduction) -> tuple[list, list,
             shard_variables.append(tf.compat.v1.Variable(
                 tf.zeros([layout.shard]), trainable=False, collections=[],
                 use_resource=True, name=f"shard{b}"))
-        parts = [tf.slice(flattened(variables[layout.members[position]].read_value()),
-                          [first], [end - first])
-                 for position, first, end in layout.owned(rank)]
-        owned = sum(end - first for _, first, end in layout.owned(rank))
-        if owned < layout.shard:
-            parts.append(tf.zeros([layout.shard - owned]))
         loads.append(shard_variables[-1].assign(
-            parts[0] if len(parts) == 1 else tf.concat(parts, 0), read_value=False))
+            layout.shard_of(rank, lambda i: variables[i].read_value()), read_value=False))
     return shard_gradients, shard_variables, loads
 
 
@@ -221,8 +214,7 @@ def _pending_apply(token, gathered, arrived, layouts, variables):
     def update(_, wholes):
         assigns = []
         for whole, layout in zip(wholes, layouts):
-            values = tf.split(whole[:layout.total], list(layout.counts))
-            for i, value in zip(layout.members, values):
+            for i, value in layout.split(whole):
                 assigns.append(variables[i].assign(
                     tf.reshape(value, variables[i].shape), read_value=False))
         return assigns
@@ -233,12 +225,4 @@ def _pending_apply(token, gathered, arrived, layouts, variables):
 def decoupling_summary(graph) -> dict:
     """What :func:`decouple_updates` built in ``graph`` ({} if nothing), summed over the
     decoupled optimizers."""
-    summaries = [s for s in pending_summaries(graph) if "decoupled" in s]
-    if not summaries:
-        return {}
-    return {"decoupled": sum(s["decoupled"] for s in summaries),
-            "buckets": [n for s in summaries for n in s["buckets"]],
-            "gathers": [n for s in summaries for n in s["gathers"]],
-            "bytes": sum(s["bytes"] for s in summaries),
-            "shard_bytes": sum(s["shard_bytes"] for s in summaries),
-            "optimizers": len(summaries)}
+    return summed_summaries(graph, "decoupled")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from tfoverlap.horovod.session.pending import (arrival_queue, pending_summaries,
-                                               register_pending, stage_results, staged_apply)
+from tfoverlap.horovod.session.pending import (arrival_queue, register_pending,
+                                               stage_results, staged_apply, summed_summaries)
 from tfoverlap.log import logger
 
 __all__ = ["deferral_refused", "reducing_allreduce", "defer_updates", "deferral_summary",
@@ -208,7 +208,10 @@ def _deferred_chunk(optimizer, chunk, variables, local, reduced, allreduces, val
     tokens = StagingArea([v.dtype for v in values], capacity=1)
     ready = StagingArea([r.dtype for r in reduced], capacity=1)
     arrived = arrival_queue()
-    apply = _pending_apply(optimizer, variables, tokens, ready, arrived)
+    # The chunk's apply (where its update is pending) with the token's step values.
+    apply = staged_apply(tokens, ready, arrived, lambda values, gradients: [
+        _apply(optimizer, variable, gradient, values)
+        for variable, gradient in zip(variables, gradients)])
     guard_of = {}
     for variable in variables:
         guard_of[variable.handle.name] = apply
@@ -257,27 +260,7 @@ def _read_before_the_step_advances(optimizer, reads, step_ops) -> None:
             op._add_control_inputs([read.op for read in reads])  # noqa: SLF001
 
 
-def _pending_apply(optimizer, variables, tokens, ready, arrived):
-    """The op that applies a chunk's pending update with the step's values and the reduced
-    gradients, if one is pending, else does nothing (:func:`staged_apply`)."""
-
-    def update(values, gradients):
-        return [_apply(optimizer, variable, gradient, values)
-                for variable, gradient in zip(variables, gradients)]
-
-    return staged_apply(tokens, ready, arrived, update)
-
-
 def deferral_summary(graph) -> dict:
     """What :func:`defer_updates` deferred in ``graph`` ({} if nothing): counts summed over
     the deferring optimizers."""
-    summaries = [summary for summary in pending_summaries(graph) if "deferred" in summary]
-    if not summaries:
-        return {}
-    return {"deferred": sum(s["deferred"] for s in summaries),
-            "gradients": sum(s["gradients"] for s in summaries),
-            "chunks": [n for s in summaries for n in s["chunks"]],
-            "deferred_bytes": sum(s["deferred_bytes"] for s in summaries),
-            "optimizers": len(summaries)}
-
-
+    return summed_summaries(graph, "deferred")

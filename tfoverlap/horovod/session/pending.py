@@ -19,7 +19,7 @@ from tfoverlap.horovod.core.patching import MARKER, patch
 from tfoverlap.log import logger
 
 __all__ = ["DeferralError", "register_pending", "staged_apply", "stage_results",
-           "arrival_queue", "join_reductions", "pending_summaries", "flush_op"]
+           "arrival_queue", "join_reductions", "summed_summaries", "flush_op"]
 
 
 # Ops that use a variable's handle but not its value: they need not wait for an update.
@@ -54,14 +54,8 @@ class _GraphState:
 
 
 _graphs = weakref.WeakKeyDictionary()         # graph -> _GraphState
-
-
 _reductions = weakref.WeakKeyDictionary()     # session -> {group name: background thread}
-
-
 _lock = threading.RLock()
-
-
 _JOIN_SECONDS = 120
 
 
@@ -78,7 +72,7 @@ def register_pending(graph, name: str, stores, background, close, guard_of: dict
     -> the op that applies what is pending to that variable (or slot): every op built
     outside ``own`` (op names) that uses the handle waits for it. ``hidden``: names of
     tensors that exist only in the background run (using one is a :class:`DeferralError`).
-    ``summary``: what :func:`deferral_summary` adds up. ``broadcast_with``: handle tensor
+    ``summary``: what :func:`summed_summaries` adds up. ``broadcast_with``: handle tensor
     name -> an op (collective) that every Horovod broadcast of that variable from rank 0
     runs first (decoupled reduction's optimizer state, which is not a global variable)."""
     import tensorflow as tf
@@ -156,31 +150,29 @@ def _guard_new_ops(graph, state) -> None:
                       for name, op in group.broadcast_with.items()}
     new = sorted((op for op in graph.get_operations() if op._id > state.scanned_id),  # noqa: SLF001
                  key=lambda op: op._id)  # noqa: SLF001
-    for op in new:
-        if op.name in own or op.type in _VALUELESS_OPS:
-            continue
-        waits = []
-        for tensor in op.inputs:
-            if tensor.name in reduced:
-                state.scanned_id = op._id - 1  # noqa: SLF001 - raised again next run
-                state.scanned = 0
-                raise DeferralError(
-                    f"tfoverlap: cross_step: {op.name} uses the reduced gradient "
-                    f"{tensor.name}, which is reduced after the step (in the next one). "
-                    "Use it before the optimizer's apply_gradients is built (its variable "
-                    "then stays in the step), or configure(cross_step=False)")
-            apply = guard_of.get(tensor.name)
-            if apply is not None and apply not in op.control_inputs and apply not in waits:
-                waits.append(apply)
-        if op.type == "HorovodBroadcast" and broadcast_with:
-            try:
+    try:
+        for op in new:
+            if op.name in own or op.type in _VALUELESS_OPS:
+                continue
+            waits = []
+            for tensor in op.inputs:
+                if tensor.name in reduced:
+                    raise DeferralError(
+                        f"tfoverlap: cross_step: {op.name} uses the reduced gradient "
+                        f"{tensor.name}, which is reduced after the step (in the next one). "
+                        "Use it before the optimizer's apply_gradients is built (its "
+                        "variable then stays in the step), or configure(cross_step=False)")
+                apply = guard_of.get(tensor.name)
+                if apply is not None and apply not in op.control_inputs + waits:
+                    waits.append(apply)
+            if op.type == "HorovodBroadcast" and broadcast_with:
                 waits += _broadcast_companions(op, broadcast_with, op.control_inputs + waits)
-            except DeferralError:
-                state.scanned_id = op._id - 1  # noqa: SLF001 - raised again next run
-                state.scanned = 0
-                raise
-        if waits:
-            op._add_control_inputs(waits)  # noqa: SLF001 - not yet run by any session
+            if waits:
+                op._add_control_inputs(waits)  # noqa: SLF001 - not yet run by any session
+    except DeferralError:
+        state.scanned_id = op._id - 1  # noqa: SLF001 - the op raises again next run
+        state.scanned = 0
+        raise
     state.scanned = graph.version
     state.scanned_id = max((op._id for op in new), default=state.scanned_id)  # noqa: SLF001
 
@@ -342,10 +334,18 @@ def _joining_reductions(close):
     return close_after_reductions
 
 
-def pending_summaries(graph) -> list[dict]:
-    """The summaries :func:`register_pending` was given for ``graph``, in order."""
+def summed_summaries(graph, counted: str) -> dict:
+    """The summaries :func:`register_pending` was given for ``graph`` that count
+    ``counted`` ("deferred", "decoupled"), added up ({} if none): numbers summed, lists
+    joined, and the number of optimizers."""
     state = _graphs.get(graph)
-    return [] if state is None else [group.summary for group in state.groups]
+    summaries = [group.summary for group in (state.groups if state else ())
+                 if counted in group.summary]
+    if not summaries:
+        return {}
+    return {**{key: [n for s in summaries for n in s[key]] if isinstance(value, list)
+               else sum(s[key] for s in summaries) for key, value in summaries[0].items()},
+            "optimizers": len(summaries)}
 
 
 def flush_op(graph=None):

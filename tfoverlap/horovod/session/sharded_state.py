@@ -12,8 +12,6 @@ __all__ = ["ShardedState", "sharded_states", "expose_whole_slots", "whole_slot_c
            "CONSOLIDATE_FIRST"]
 
 sharded_states = weakref.WeakKeyDictionary()    # graph -> its ShardedStates
-
-
 _exposed = weakref.WeakKeyDictionary()   # optimizer -> (slot key, slot name) -> WholeSlot
 
 
@@ -174,12 +172,6 @@ class ShardedState:
             shards = [slot.read_value() for slot in self.slots[b]]
         return hvd.grouped_allgather(shards, process_set=self.process_set)
 
-    def _split(self, b, flat):
-        """Bucket ``b``'s flat whole vector, as its members' values."""
-        import tensorflow as tf
-        layout = self.layouts[b]
-        return dict(zip(layout.members, tf.split(flat[:layout.total], list(layout.counts))))
-
     def _consolidation(self) -> list:
         """The ops that all-gather every slot shard into the whole buffers (collective)."""
         keeps = []
@@ -187,7 +179,7 @@ class ShardedState:
             if not bucket:
                 continue
             for position, flat in enumerate(self._gathered_slots(b)):
-                for i, value in self._split(b, flat).items():
+                for i, value in self.layouts[b].split(flat):
                     keeps.append(self.keep_whole(i, position, value))
         return keeps
 
@@ -223,7 +215,7 @@ class ShardedState:
                 if not bucket:
                     continue
                 for position, flat in enumerate(self._gathered_slots(b)):
-                    gathered = self._split(b, flat)
+                    gathered = dict(self.layouts[b].split(flat))
                     wholes = []
                     for i in self.layouts[b].members:
                         key = (i, position)
