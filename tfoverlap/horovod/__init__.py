@@ -1,15 +1,12 @@
-"""Drop-in Horovod wrappers that train with Caramel's schedule.
+"""Drop-in Horovod wrappers that train with Caramel's schedule (docs/horovod.md).
 
 ``import tfoverlap.horovod as tfo_hvd`` and use ``tfo_hvd.DistributedOptimizer`` /
 ``tfo_hvd.DistributedGradientTape`` where the program used Horovod's (same arguments,
-same results); ``tfoverlap.horovod.keras`` for Keras. Graph-mode optimizers are planned
-and rewritten as their graph is built; TF2 steps are planned by the TfOverlap optimizer
-when traced. Cross-step overlap ("auto" by default) and decoupled reduction (off by
-default) move reductions under the next step's forward pass where the plan predicts a
-gain and the contract allows (docs/horovod.md). :func:`configure` sets the options (the
-network model and op times are otherwise measured once, on rank 0, for every rank);
-:func:`decisions` says what was decided for every wrapped optimizer, tape step and Keras
-train function, and why a mechanism was declined.
+same results); ``tfoverlap.horovod.keras`` for Keras. Cross-step overlap ("auto" by
+default) and decoupled reduction (off by default) move reductions under the next step's
+forward pass where the plan predicts a gain and the contract allows. :func:`configure`
+sets the options; :func:`decisions` says what was decided for every wrapped optimizer,
+tape step and Keras train function, and why a mechanism was declined.
 """
 from __future__ import annotations
 

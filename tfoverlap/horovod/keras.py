@@ -1,32 +1,24 @@
-"""``horovod.tensorflow.keras`` with Caramel's schedule: the same names and signatures.
-
-``DistributedOptimizer`` is Horovod's, and it switches the Caramel pass on for the
-``tf.function`` graphs of this thread (``model.fit``'s train function among them), with
-the options and network figures of :func:`tfoverlap.horovod.configure`. Everything else
-(``init``, ``size``, ``callbacks``, ``broadcast_variables``, ...) is Horovod's own, passed
-through::
+"""``horovod.tensorflow.keras`` with Caramel's schedule, the same names and signatures:
+``DistributedOptimizer`` is Horovod's, with the Caramel pass on for this thread's
+``tf.function`` graphs; everything else (``init``, ``callbacks``, ...) is Horovod's::
 
     import tfoverlap.horovod.keras as hvd
     hvd.init()
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1)), ...)
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
 
-Cross-step overlap (:mod:`tfoverlap.horovod.adapters.keras_fit`) is "auto" by default: used
-where Caramel's plan predicts ``min_gain``; ``configure(cross_step=False)`` of
-:mod:`tfoverlap.horovod` turns it off. It needs ``compile(steps_per_execution=N)`` with
-N > 1: the reductions of a step's last gradients then run under the next step's forward
-pass within each call, and the call ends with the weights exactly as plain Horovod's.
-``configure(decouple=True)`` decouples those steps instead (reduce-scatter, sharded
-update, all-gather under the next step's forward pass).
+Cross-step overlap ("auto" by default) and decoupled reduction (``decouple=True``) work
+within each call of ``compile(steps_per_execution=N)`` with N > 1, which ends with the
+weights exactly as plain Horovod's (:mod:`tfoverlap.horovod.adapters.keras_fit`).
 """
 from __future__ import annotations
 
 from tfoverlap.horovod.adapters import keras_fit, keras_hooks
-from tfoverlap.horovod.core.contract import keeps_horovods_reduction, reduction_of
-from tfoverlap.horovod.settings import configure, wrapper_option
-from tfoverlap.horovod.adapters.horovods import (consolidate_optimizer_state,
-                                                 enable_for_functions, horovods,
-                                                 not_converted)
+from tfoverlap.horovod.adapters.horovods import (consolidate_optimizer_state, horovods,
+                                                 not_converted, plans_in_call)
+from tfoverlap.horovod.core.contract import reduction_of
+from tfoverlap.horovod.core.decisions import decisions
+from tfoverlap.horovod.settings import configure
 
 __all__ = ["DistributedOptimizer", "configure", "decisions", "consolidate_optimizer_state",
            "cross_step_decision"]
@@ -45,9 +37,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     reduction = reduction_of(device_dense, device_sparse, compression, sparse_as_dense, op,
                              gradient_predivide_factor, process_set, backward_passes_per_step,
                              groups, num_groups)
-    keeps_horovods = keeps_horovods_reduction(reduction)
-    if not keeps_horovods:
-        enable_for_functions(carried_out=("cross_step", "decouple"))
+    planned = plans_in_call(reduction)
     wrapped = horovods(hvd_keras, "DistributedOptimizer")(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
         compression=reduction["compression"], sparse_as_dense=sparse_as_dense,
@@ -56,27 +46,16 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
         groups=groups, process_set=reduction["process_set"],
         scale_local_gradients=scale_local_gradients)
-    if not keeps_horovods and (wrapper_option("cross_step", "auto")
-                               or wrapper_option("decouple", False)) \
-            and reduction["process_set"].size() > 1:
+    if planned:
         keras_fit.register(wrapped, reduction)
         keras_hooks.install()
     return wrapped
 
 
 def cross_step_decision(model) -> dict | None:
-    """What was decided for ``model.fit``'s train function, as a dict: mode, how many
-    gradients were deferred (and their MB), the predicted and in-step step in ms, and the
-    reason where nothing was deferred; None before the train function's first trace. (An
-    alias kept from before :func:`tfoverlap.horovod.core.decisions`, which reports every API.)"""
+    """What was decided for ``model.fit``'s train function, as a dict (None before its
+    first trace): kept from before :func:`decisions`, which reports every API."""
     return keras_fit.decision_for(model)
-
-
-def decisions():
-    """:func:`tfoverlap.horovod.core.decisions`: what was decided for every wrapped optimizer
-    and step of this process, Keras train functions among them."""
-    from tfoverlap.horovod.core.decisions import decisions as every_decision
-    return every_decision()
 
 
 def __getattr__(name: str):

@@ -1,7 +1,6 @@
-"""What the Horovod wrappers measure once per job, on rank 0, and share with every rank so
-that all ranks plan alike: the ring's bandwidth and latency, the host's FLOP rate, compute
-threads and Horovod's cycle, and the op times of a profiled warm-up
-(:mod:`tfoverlap.integrations.warmup_profile`)."""
+"""What the Horovod wrappers measure once per job, on rank 0, for every rank to plan alike:
+the ring's bandwidth and latency, the host's FLOP rate, threads and Horovod cycle, and the
+op times of a profiled warm-up (:mod:`tfoverlap.integrations.warmup_profile`)."""
 from __future__ import annotations
 
 import json
@@ -50,19 +49,18 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
     if ranks < 2:
         return 125e6, 50e-6
 
-    def measure(run_small, run_large, agree):
-        return agree(np.array(_alpha_beta(_median_seconds(run_small, repeats),
-                                          _median_seconds(run_large, repeats), small_bytes,
-                                          large_bytes, ranks, 2 * (ranks - 1))))
+    def fitted(run_small, run_large) -> list[float]:
+        return _from_rank0(list(_alpha_beta(_median_seconds(run_small, repeats),
+                                            _median_seconds(run_large, repeats), small_bytes,
+                                            large_bytes, ranks, 2 * (ranks - 1))),
+                           "tfoverlap_measure_result")
 
     small = np.ones(small_bytes // 4, np.float32)
     large = np.ones(large_bytes // 4, np.float32)
     if tf.executing_eagerly():
-        result = measure(
+        bandwidth, latency = fitted(
             lambda: hvd.allreduce(tf.constant(small), op=hvd.Sum, name="tfoverlap_measure_s"),
-            lambda: hvd.allreduce(tf.constant(large), op=hvd.Sum, name="tfoverlap_measure_l"),
-            lambda values: hvd.broadcast(tf.constant(values), 0,
-                                         name="tfoverlap_measure_result").numpy())
+            lambda: hvd.allreduce(tf.constant(large), op=hvd.Sum, name="tfoverlap_measure_l"))
     else:
         # Fed, not constant: Grappler would fold (run) an AllReduce of constants once, at
         # optimization time.
@@ -71,25 +69,20 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
             small_op, large_op = (tf.reduce_sum(hvd.allreduce(tensor, op=hvd.Sum, name=name))
                                   for tensor, name in zip(inputs, ("tfoverlap_measure_s",
                                                                    "tfoverlap_measure_l")))
-            values = tf.compat.v1.placeholder(tf.float64, [2])
-            agreed = hvd.broadcast(values, 0, name="tfoverlap_measure_result")
         with tf.compat.v1.Session(graph=graph) as session:
-            result = measure(lambda: session.run(small_op, {inputs[0]: small}),
-                             lambda: session.run(large_op, {inputs[1]: large}),
-                             lambda found: session.run(agreed, {values: found}))
-    return float(result[0]), float(result[1])
+            bandwidth, latency = fitted(lambda: session.run(small_op, {inputs[0]: small}),
+                                        lambda: session.run(large_op, {inputs[1]: large}))
+    return bandwidth, latency
 
 
 def measure_halves(small_bytes: int = 4096, large_bytes: int = 64 << 20,
                    repeats: int = 5) -> dict:
-    """{"scatter": (bandwidth, latency), "gather": (bandwidth, latency)} of Horovod's
-    reduce-scatter and all-gather (graph mode), fitted like :func:`measure_network` with
-    n - 1 steps each, the bytes counted whole (the all-gather's output); rank 0's values,
-    on every rank. Decoupled reduction plans with them: a library's halves need not cost
-    half an AllReduce each (Gloo's reduce-scatter is not a ring). ``large_bytes`` is a
-    bucket's size, tens of MB: Gloo's reduce-scatter moves fewer bytes a second there
-    than at a few MB (8 emulated ranks: fitted at 8 MB it priced ResNet-50's buckets at
-    a third of their time in the step)."""
+    """{"scatter": (bandwidth, latency), "gather": ...} of Horovod's reduce-scatter and
+    all-gather, fitted like :func:`measure_network` with n - 1 steps each, the bytes
+    counted whole; rank 0's, on every rank. Decoupled reduction plans with them: a
+    library's halves need not cost half an AllReduce each (Gloo's reduce-scatter is not a
+    ring). ``large_bytes`` is a bucket's size: Gloo's reduce-scatter is slower per byte
+    there than at a few MB (fitted at 8 MB, it priced ResNet-50's buckets at a third)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
     ranks = hvd.size()
@@ -104,8 +97,6 @@ def measure_halves(small_bytes: int = 4096, large_bytes: int = 64 << 20,
                     for i, tensor in enumerate(wholes)]
         gathers = [tf.reduce_sum(hvd.allgather(tensor, name=f"tfoverlap_measure_gather{i}"))
                    for i, tensor in enumerate(shards)]
-        values = tf.compat.v1.placeholder(tf.float64, [4])
-        agreed = hvd.broadcast(values, 0, name="tfoverlap_measure_halves")
     fits = []
     with tf.compat.v1.Session(graph=graph) as session:
         for ops, fed in ((scatters, wholes), (gathers, shards)):
@@ -114,7 +105,7 @@ def measure_halves(small_bytes: int = 4096, large_bytes: int = 64 << 20,
                     op, {tensor: np.ones(tensor.shape.as_list(), np.float32)}), repeats)
                 for op, tensor in zip(ops, fed)]
             fits.extend(_alpha_beta(*seconds, 4 * sizes[0], 4 * sizes[1], ranks, ranks - 1))
-        result = session.run(agreed, {values: np.array(fits)})
+    result = _from_rank0(fits, "tfoverlap_measure_halves")
     return {"scatter": (float(result[0]), float(result[1])),
             "gather": (float(result[2]), float(result[3]))}
 
@@ -181,13 +172,10 @@ def warmup_profile(graph, gradients, steps: int, options: dict) -> str:
     try:
         measured = profile_gradients(graph, gradients, steps, config)
         payload = json.dumps(measured.to_json()).encode()
-    except WarmupError as error:
-        logger.warning("tfoverlap: the profiled warm-up (profile_steps=%d) cannot run: %s",
-                       steps, error)
-        payload = b""
     except Exception as error:  # noqa: BLE001 - a warm-up never stops training
-        logger.warning("tfoverlap: the profiled warm-up (profile_steps=%d) failed (%s: %s)",
-                       steps, type(error).__name__, error)
+        why = (f"cannot run: {error}" if isinstance(error, WarmupError)
+               else f"failed ({type(error).__name__}: {error})")
+        logger.warning("tfoverlap: the profiled warm-up (profile_steps=%d) %s", steps, why)
         payload = b""
     shared = bytes_from_rank0(payload, "tfoverlap_warmup_profile")
     if not shared:

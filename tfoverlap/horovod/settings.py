@@ -16,31 +16,19 @@ _measured: dict = {}
 
 def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
               decouple: bool | str = False, **options) -> None:
-    """Options for the Caramel pass the wrappers run (see :class:`tfoverlap.options.Options`:
-    bandwidth, latency, split_bytes, flops, profile, ...). Validated here.
+    """Options for the Caramel pass the wrappers run (:class:`tfoverlap.options.Options`:
+    bandwidth, latency, split_bytes, flops, profile, ...), validated here, and the
+    wrappers' own (docs/horovod.md):
 
-    ``profile_steps=N``: graph-mode optimizers plan with op times measured by N traced
-    warm-up steps of the gradients (rank 0's; every rank must configure alike) instead of
-    static estimates. Where the warm-up cannot run, a warning says why and the estimates
-    are used.
-
-    ``cross_step``: graph-mode optimizers reduce the gradients that become ready last
-    under the next step's forward pass (:mod:`tfoverlap.horovod.session.deferral`; every value a
-    run returns, every checkpoint and the final weights are plain Horovod's), and so does
-    Keras ``model.fit`` within each call of N > 1 steps
-    (:mod:`tfoverlap.horovod.adapters.keras_fit`). "auto" (the
-    default): where Caramel's plan predicts a step at least ``min_gain`` faster than its
-    in-step plan's; True: wherever a reduction fits under the forward pass; False:
-    never.
-
-    ``decouple``: graph-mode optimizers, and tape steps in a loop inside one
-    ``tf.function``, reduce-scatter the gradients under the backward pass, update each
-    rank's own shard and all-gather the parameters under the next forward pass
-    (:mod:`tfoverlap.horovod.session.decoupling`, :mod:`tfoverlap.horovod.in_call.decoupling`).
-    True: wherever the program allows
-    it; "auto": where the plan predicts a step at least ``min_gain`` faster than the best
-    of Horovod's, the in-step plan's and cross-step overlap's; False (the default):
-    never."""
+    ``profile_steps=N``: graph-mode optimizers plan with the op times of N traced warm-up
+    steps (rank 0's; every rank configures alike), else with static estimates and a
+    warning saying why. ``cross_step``: the reductions of the gradients ready last go
+    under the next step's forward pass (graph mode; Keras ``fit`` and tape loops within
+    a call): "auto" (the default) where the plan predicts ``min_gain`` over its in-step
+    plan, True wherever one fits, False never. ``decouple``: reduce-scatter, sharded
+    update and all-gather under the next forward pass: True wherever the program allows
+    it, "auto" where the plan predicts ``min_gain`` over the best of the others, False
+    (the default) never."""
     from tfoverlap.options import parse_options
     if (not isinstance(profile_steps, int) or isinstance(profile_steps, bool)
             or not 0 <= profile_steps <= 100):
@@ -65,8 +53,7 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
 
 
 def wrapper_option(name: str, default=None):
-    """A wrapper option :func:`configure` was given (profile_steps, cross_step,
-    decouple)."""
+    """A wrapper option given to :func:`configure` (profile_steps, cross_step, decouple)."""
     return _configured_wrapper.get(name, default)
 
 
@@ -76,8 +63,7 @@ def wrapper_options() -> dict:
 
 
 def network_model() -> dict:
-    """The bandwidth, latency and FLOP rate the wrappers plan with (configured or
-    measured)."""
+    """The bandwidth, latency and FLOP rate the wrappers plan with (configured or measured)."""
     return {key: _configured.get(key, _measured.get(key))
             for key in ("bandwidth", "latency", "flops")}
 

@@ -1,13 +1,12 @@
-"""The drop-in ``DistributedOptimizer`` (graph mode and TF2) and
-``DistributedGradientTape``: Horovod's wrappers, with the gradients reduced by plain
-HorovodAllreduce ops that Caramel plans (graph mode), or with the TfOverlap optimizer on
-for the ``tf.function`` graphs of this thread (TF2)."""
+"""The drop-in ``DistributedOptimizer`` (graph mode; a Keras optimizer goes to
+:mod:`tfoverlap.horovod.keras`) and ``DistributedGradientTape``: Horovod's wrappers, planned
+by Caramel (:mod:`tfoverlap.horovod.adapters`)."""
 from __future__ import annotations
 
-from tfoverlap.horovod.adapters.horovods import (consolidate_optimizer_state,
-                                                 enable_for_functions, horovods,
-                                                 not_converted)
+from tfoverlap.horovod.adapters.horovods import (consolidate_optimizer_state, horovods,
+                                                 not_converted, plans_in_call)
 from tfoverlap.horovod.core.contract import keeps_horovods_reduction, reduction_of
+from tfoverlap.horovod.session.pending import flush_op
 from tfoverlap.horovod.settings import wrapper_option
 from tfoverlap.log import logger
 
@@ -21,12 +20,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=None, scale_local_gradients=True):
-    """``hvd.DistributedOptimizer`` with Caramel's schedule (same arguments).
-
-    Explicit ``groups``, gradient accumulation (``backward_passes_per_step > 1``) and
-    Adasum keep Horovod's own reduction (Caramel's buckets would replace the first, and
-    the others reduce differently), with a warning.
-    """
+    """``hvd.DistributedOptimizer`` with Caramel's schedule (same arguments). Explicit
+    ``groups``, gradient accumulation and Adasum keep Horovod's own reduction, with a
+    warning."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer) and op != hvd.Adasum:
@@ -43,14 +39,14 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     reduction = reduction_of(device_dense, device_sparse, compression, sparse_as_dense, op,
                              gradient_predivide_factor, process_set, backward_passes_per_step,
                              groups, num_groups)
-    process_set = reduction["process_set"]
     wrapped = horovods(hvd, "DistributedOptimizer")(
         optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
         device_sparse=device_sparse, compression=reduction["compression"],
         sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
         op=reduction["op"], gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+        groups=groups, process_set=reduction["process_set"],
+        scale_local_gradients=scale_local_gradients)
     if keeps_horovods_reduction(reduction):
         return wrapped
     if tf.executing_eagerly():
@@ -63,39 +59,26 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     return wrapped
 
 
-def flush_op(graph=None):
-    """cross_step: the op that applies every pending deferred update (optional: any run
-    that uses a deferred variable applies its update first); None where nothing was
-    deferred."""
-    from tfoverlap.horovod.session.pending import flush_op as deferred_flush
-    return deferred_flush(graph)
-
-
 @not_converted
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=None,
                             sparse_as_dense=False, op=None, gradient_predivide_factor=1.0,
                             num_groups=0, groups=None, process_set=None,
                             scale_local_gradients=True):
     """``hvd.DistributedGradientTape`` with Caramel's schedule for ``tf.function`` steps
-    (same arguments), and cross-step overlap or decoupled reduction where the steps run in
-    a loop inside one ``tf.function`` (:mod:`tfoverlap.horovod.adapters.tape`,
-    :mod:`tfoverlap.horovod.in_call.decoupling`)."""
+    (same arguments), deferred or decoupled where they run in a loop inside one call
+    (:mod:`tfoverlap.horovod.adapters.tape`)."""
     import horovod.tensorflow as hvd
     reduction = reduction_of(device_dense, device_sparse, compression, sparse_as_dense, op,
                              gradient_predivide_factor, process_set, groups=groups,
                              num_groups=num_groups)
-    kept = keeps_horovods_reduction(reduction)
-    if not kept:
-        enable_for_functions(carried_out=("cross_step", "decouple"))
+    planned = plans_in_call(reduction)
     tape = horovods(hvd, "DistributedGradientTape")(
         gradtape, device_dense=device_dense, device_sparse=device_sparse,
         compression=reduction["compression"], sparse_as_dense=sparse_as_dense,
         op=reduction["op"], gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups, groups=groups, process_set=reduction["process_set"],
         scale_local_gradients=scale_local_gradients)
-    mode = wrapper_option("cross_step", "auto")
-    decouple = wrapper_option("decouple", False)
-    if not kept and (mode or decouple) and reduction["process_set"].size() > 1:
+    if planned:
         from tfoverlap.horovod.adapters.tape import attach
-        attach(tape, reduction, mode)
+        attach(tape, reduction, wrapper_option("cross_step", "auto"))
     return tape

@@ -1,6 +1,6 @@
-"""The plan glue of the graph-mode wrapper: the Caramel pass run on the graph being built
-and applied in place, and cross-step overlap's decision (what to defer, the predicted
-step, why nothing was) before the deferral is built (:mod:`tfoverlap.horovod.session.deferral`)."""
+"""The graph-mode adapter: the wrapped optimizer's reduction intercepted, decoupled or
+deferred updates planned and built (:mod:`tfoverlap.horovod.session`), and the Caramel pass
+run on the graph being built and applied in place."""
 from __future__ import annotations
 
 import functools
@@ -20,10 +20,8 @@ __all__ = ["attach", "schedule_in_place", "defer_and_schedule", "decouple_and_sc
 
 
 def attach(wrapped, optimizer, reduction: dict) -> None:
-    """Makes Horovod's graph-mode ``wrapped`` optimizer (around the program's
-    ``optimizer``, reducing with ``reduction``) reduce with plain HorovodAllreduce ops
-    that Caramel plans, and decouple or defer its updates where asked for and possible
-    (decoupled reduction first, then cross-step overlap)."""
+    """Makes Horovod's graph-mode ``wrapped`` optimizer (around ``optimizer``) reduce with
+    plain HorovodAllreduce ops that Caramel plans, decoupled or deferred where possible."""
     pending: dict = {}      # what apply_gradients builds once the updates exist
     wrapped._allreduce_grads = functools.partial(  # noqa: SLF001 - Horovod's hook
         _reduce_and_schedule, optimizer, reduction, pending)
@@ -94,13 +92,9 @@ def _apply_and_defer(optimizer, original_apply, pending, grads_and_vars, global_
 
 def schedule_in_place(graph, gradients=(), cross_step: dict | None = None,
                       decouple: dict | None = None) -> None:
-    """Runs the Caramel pass on ``graph`` as built so far and applies it in place.
-
-    With ``profile_steps`` configured it plans with the op times of a profiled warm-up of
-    ``gradients``. With ``emulate`` configured Caramel plans with the emulated op times,
-    and the emulation itself, which replaces ops (a graph being built cannot have ops
-    replaced), is left to the sessions: every session created afterwards runs the emulate
-    pass."""
+    """Runs the Caramel pass on ``graph`` as built so far and applies it in place (with a
+    profiled warm-up of ``gradients`` where configured); ``emulate``, which replaces ops,
+    is left to every session created afterwards."""
     from tfoverlap.api import enable_for_sessions
     from tfoverlap.integrations.live_graph import apply_rewrite
     from tfoverlap.options import parse_options
@@ -135,12 +129,9 @@ def schedule_in_place(graph, gradients=(), cross_step: dict | None = None,
 
 def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, variables,
                         reduced, allreduces, gradients, decouple: dict | None = None):
-    """cross_step: builds the step with the updates of the gradients that become ready
-    last deferred to the next step (:mod:`tfoverlap.horovod.session.deferral`), then plans the
-    rest of the step; returns the train op. ``mode`` "auto" defers where the predicted
-    step gains at least min_gain over the in-step plan's; True wherever a reduction fits
-    under the forward pass. ``decouple``: decoupling's decision, where it decoupled
-    nothing (for the report)."""
+    """cross_step: builds the step with the updates of the gradients ready last deferred to
+    the next step, where the plan (``mode``) says so, then plans the rest of the step;
+    returns the train op. ``decouple``: decoupling's decision where it declined."""
     from tfoverlap.horovod.session.deferral import defer_updates
     graph = grads_and_vars[0][1].graph
     reduced_at, pair_of = _pairing(grads_and_vars, variables, allreduces)
@@ -168,8 +159,7 @@ def _decline_level(mode) -> int:
 
 
 def record_graph_decision(optimizer, decision: dict, mechanism: str) -> None:
-    """Keeps what ``mechanism`` decided for the graph-mode ``optimizer``
-    (:func:`tfoverlap.horovod.core.decisions`)."""
+    """Keeps what ``mechanism`` decided for the graph-mode ``optimizer``."""
     from tfoverlap.horovod.core.decisions import record
     record(decision, "graph", key=weakref.ref(optimizer), name=optimizer.get_name(),
            mechanism=mechanism)
@@ -177,11 +167,9 @@ def record_graph_decision(optimizer, decision: dict, mechanism: str) -> None:
 
 def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, variables,
                           reduced, allreduces, gradients, reduction):
-    """decouple: builds the step with the gradients reduce-scattered, each rank's shard
-    updated and the parameters all-gathered under the next forward pass
-    (:mod:`tfoverlap.horovod.session.decoupling`), where the plan and the program allow it; else
-    cross-step overlap as configured (:func:`defer_and_schedule`), else the in-step
-    plan. Returns the train op."""
+    """decouple: builds the step decoupled where the plan and the program allow it, else
+    deferred as configured (:func:`defer_and_schedule`), else in-step; returns the train
+    op."""
     from tfoverlap.horovod.session.decoupling import decouple_updates, decoupling_summary
     graph = grads_and_vars[0][1].graph
     reduced_at, pair_of = _pairing(grads_and_vars, variables, allreduces)
@@ -218,9 +206,8 @@ def decouple_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads,
 
 
 def _pairing(grads_and_vars, variables, allreduces) -> tuple[list, dict]:
-    """(reduced_at, pair_of): pair i of ``grads_and_vars`` is entry reduced_at[i] of what
-    the reduction returned (None where none is), and pair_of names each HorovodAllreduce
-    op of a pair after the pair's index."""
+    """(reduced_at: pair i is entry reduced_at[i] of what the reduction returned, or None;
+    pair_of: each pair's HorovodAllreduce op name -> the pair's index)."""
     reduced_at = [next((j for j, variable in enumerate(variables) if variable is pair[1]),
                        None) for pair in grads_and_vars]
     pair_of = {allreduces[j].name: i for i, j in enumerate(reduced_at)

@@ -1,9 +1,6 @@
-"""The Keras adapter: ``model.fit`` with ``steps_per_execution=N > 1``. The model's
-``train_step`` is traced apart for the plan, each step of a call finishes what the step
-before left pending, and a drain after the call leaves nothing pending where callbacks
-and user code run (docs/architecture.md, "How the Horovod mechanisms keep the contract";
-the hooks: :mod:`tfoverlap.horovod.adapters.keras_hooks`).
-"""
+"""The Keras adapter: ``model.fit`` with ``steps_per_execution=N > 1``, planned from its
+``train_step`` traced apart; a drain after each call leaves nothing pending where user
+code runs (docs/architecture.md, "Keras fit"; the hooks: :mod:`.keras_hooks`)."""
 from __future__ import annotations
 
 import logging
@@ -26,10 +23,8 @@ _fit_batch = [None]                         # the batch size of the last Keras d
 
 
 def decision_for(model) -> dict | None:
-    """The cross-step decision for ``model``'s train function (as the Caramel report's
-    ``cross_step`` entry: mode, deferred, predicted and in-step step, reason; and the
-    drains made and the median time of one, after the first), or None before its first
-    trace."""
+    """The decision for ``model``'s train function (the Caramel report's ``cross_step``
+    entry, with the drains made and the median time of one), or None before its trace."""
     deferral = _deferrals.get(model)
     if deferral is None:
         return None
@@ -65,10 +60,8 @@ def deferral_refused(model, optimizer) -> str:
 
 
 def register(optimizer, reduction: dict) -> None:
-    """Marks ``optimizer`` (Horovod's Keras wrapper) as deferring, with the arguments of
-    its reduction (device_dense, device_sparse, compression, sparse_as_dense, op,
-    gradient_predivide_factor, process_set), and makes its ``minimize`` defer in the
-    steps that :func:`install`'s train function traces."""
+    """Marks ``optimizer`` (Horovod's Keras wrapper, reducing with ``reduction``) as
+    deferring: its ``minimize`` defers in the pipelined steps (:func:`_pipelined`)."""
     import types
     _optimizers[optimizer] = reduction
     plain_minimize = optimizer.minimize
@@ -83,8 +76,7 @@ def register(optimizer, reduction: dict) -> None:
 
 
 def _local_gradients(optimizer, loss, var_list, tape):
-    """(gradient, variable) pairs of the step, unreduced (densified where Horovod's
-    reduction would densify them first)."""
+    """The step's unreduced (gradient, variable) pairs, densified as Horovod would."""
     import tensorflow as tf
     tape = tf.GradientTape() if tape is None else tape
     base = super(type(optimizer), optimizer)     # the program's class, Horovod's base
@@ -100,7 +92,7 @@ def _local_gradients(optimizer, loss, var_list, tape):
 
 def _minimize(optimizer, deferral, loss, var_list, tape):
     """The step's gradients: the deferred ones stored and marked pending, the others
-    reduced and applied as Horovod would (decoupled: :func:`_decoupled_update`)."""
+    reduced and applied as Horovod would; or decoupled."""
     import tensorflow as tf
     if deferral.decoupled is not None:
         return _decoupled_update(optimizer, deferral, loss, var_list, tape)
@@ -147,8 +139,8 @@ def _decoupled_update(optimizer, deferral, loss, var_list, tape):
 
 
 def _plan(model, optimizer, train_step, data) -> Deferral:
-    """Traces ``train_step`` apart, plans the deferral from that graph, and builds the
-    buffers; a deferral of nothing (with the reason) where it should not defer."""
+    """Traces ``train_step`` apart and plans from that graph: decoupled, deferred (the
+    buffers built), or nothing, with the reason."""
     import tensorflow as tf
 
     from tfoverlap.horovod.core.plans import plan_deferral
@@ -184,9 +176,7 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
         return deferral
     own, deferral.planning = deferral.planning, None
     if decouple:
-        if _decouples(model, optimizer, deferral, graph, own, decouple):
-            return deferral
-        if not mode:
+        if _decouples(model, optimizer, deferral, graph, own, decouple) or not mode:
             return deferral
         build_slots(optimizer, deferral.variables)
         deferral.decision = planned("cross_step", mode)
@@ -204,10 +194,8 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
 
 
 def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
-    """Whether ``model.fit``'s steps are decoupled (configure(decouple=...)): planned from
-    the step traced apart, where the program and its optimizer allow it; then ``deferral``
-    holds its TapeDecoupled and the drain. Else one line says why (and the decision is
-    kept for the summary)."""
+    """Whether ``model.fit``'s steps are decoupled (``deferral`` then holds the
+    TapeDecoupled and the drain); else one line says why, and the decision is kept."""
     import tensorflow as tf
 
     from tfoverlap.horovod.in_call.decoupling import decoupled_for, plan, refused
@@ -231,8 +219,8 @@ def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
 
 
 def _batch_spec(value, batch):
-    """The spec of one input of the step, its unknown batch dimension set to ``batch`` (the
-    plan's compute estimates need it); other values as they are."""
+    """The spec of one input, an unknown batch dimension set to ``batch`` (for the plan's
+    compute estimates); other values as they are."""
     import tensorflow as tf
     if not isinstance(value, tf.Tensor):
         return value
@@ -243,8 +231,8 @@ def _batch_spec(value, batch):
 
 
 def _pipelined(model, train_step, own_step):
-    """``train_step`` that first applies what the step before left pending (``own_step``:
-    the train_step the program set on the model itself, if any)."""
+    """``train_step``, first finishing what the step before left pending (``own_step``:
+    the train_step the program set on the model, if any)."""
     import tensorflow as tf
 
     def step(data):
@@ -271,9 +259,8 @@ def _pipelined(model, train_step, own_step):
 
 
 def _drained(model, train_function):
-    """``train_function`` followed by the drain of what its last step left pending, also
-    where the input ran out inside the call (Keras ends the epoch there; every rank runs
-    out at the same step, as Horovod needs)."""
+    """``train_function``, then the drain of what its last step left pending, also where
+    the input ran out in the call (every rank runs out at the same step)."""
     import tensorflow as tf
 
     def call(*args, **kwargs):

@@ -1,7 +1,6 @@
-"""The hooks that put Keras ``fit`` on the in-call backend: ``make_train_function`` builds
-the pipelined step and its drain for models compiled with a registered optimizer, the
-data handler tells the batch size, and the callbacks gather a decoupled state wherever a
-save may follow (each epoch's end, a batch save on rank 0 alone)."""
+"""The hooks that put Keras ``fit`` on the in-call backend: ``make_train_function`` (the
+pipelined step and its drain), the data handler (the batch size), and the callbacks
+(a decoupled state gathered where a save may follow: an epoch's end, a batch save)."""
 from __future__ import annotations
 
 import copy
@@ -15,9 +14,8 @@ __all__ = ["install"]
 
 
 def install() -> None:
-    """Makes Keras' ``Model.make_train_function`` build the pipelined step and the drain
-    for models compiled with a registered optimizer (others are left as they are), and
-    Keras' callbacks gather a decoupled state where a save may follow."""
+    """Makes ``make_train_function`` pipeline and drain the models compiled with a
+    registered optimizer, and the callbacks gather a decoupled state where a save may follow."""
     import tensorflow as tf
     patch(tf.keras.Model, "make_train_function", _making_train_function)
     # Keras' fit makes its data handler (which knows the batch size) before it makes and
@@ -65,8 +63,7 @@ def _noting_batch_size(plain_handler):
 
 def _consolidating_at_epoch_end(plain_epoch_end):
     def on_epoch_end(self, epoch, logs=None):
-        # Every rank ends the epoch alike: the sharded state is gathered there, so that
-        # a checkpoint callback on rank 0 alone writes it whole.
+        # Every rank ends the epoch alike: a checkpoint on rank 0 alone writes it whole.
         decoupled = getattr(_deferrals.get(getattr(self, "model", None)), "decoupled", None)
         if decoupled is not None and not decoupled.savable:
             decoupled.consolidate()
@@ -91,9 +88,8 @@ def _saves_by_batch(callback) -> bool:
 
 
 def _saves_at(callback, batch: int) -> bool:
-    """Whether ``callback`` (saving by batch) writes a checkpoint at the end of ``batch``:
-    its own rule, tried on a copy (ModelCheckpoint, BackupAndRestore); at every batch end
-    for a rule not known."""
+    """Whether ``callback`` (saving by batch) saves at the end of ``batch``: its own rule,
+    tried on a copy (ModelCheckpoint, BackupAndRestore); a rule not known, at every one."""
     if hasattr(callback, "_should_save_on_batch"):
         return bool(copy.copy(callback)._should_save_on_batch(batch))  # noqa: SLF001
     count = getattr(callback, "_batches_count", None)
@@ -103,10 +99,9 @@ def _saves_at(callback, batch: int) -> bool:
 
 
 def _batch_save_due(callback_list, decoupled, batch: int) -> bool:
-    """Whether a callback of rank 0 writes a checkpoint at the end of ``batch`` while
-    this rank holds only its shards of the state. Collective, on every rank alike: once
-    per fit a flag from rank 0 (does any of its callbacks save by batch?), and where one
-    does, a flag from rank 0 at each batch end (does one save now?)."""
+    """Whether a callback of rank 0 saves at the end of ``batch`` while this rank holds only
+    its shards. Collective: once per fit a flag from rank 0 (does one save by batch?), and
+    where one does, one at each batch end (does one save now?)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
     savers = [callback for callback in callback_list.callbacks if _saves_by_batch(callback)]

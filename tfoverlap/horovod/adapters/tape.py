@@ -1,9 +1,6 @@
 """The tape adapter: ``DistributedGradientTape`` steps in a loop inside one
-``tf.function``. The tape's reduction is intercepted, the plan made from the loop body's
-graph, and the step's ``apply_gradients`` defers (or decouples) where the contract allows;
-elsewhere one line says why (docs/architecture.md, "How the Horovod mechanisms keep the
-contract").
-"""
+``tf.function``, planned from the loop body's graph; the step's ``apply_gradients``
+defers or decouples where the contract allows (docs/architecture.md, "Tape loops")."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +17,6 @@ from tfoverlap.horovod.in_call.pending import Deferral, build_slots, optimizer_r
 from tfoverlap.log import info_once, warn_once
 
 __all__ = ["attach", "install"]
-
 
 _by_gradient: dict = {}                      # reduced gradient (ref) -> its _TapeDeferral
 _plans: dict = {}                            # the variables' refs -> (chunks, decision)
@@ -40,8 +36,7 @@ class _TapeDeferral(Deferral):
     decoupling: tuple = ()          # decouple's plan: (buckets, all-gather requests)
 
     @property
-    def option(self) -> str:
-        """The option its lines speak for."""
+    def option(self) -> str:      # the option its lines speak for
         return "decouple" if self.decoupling else "cross_step"
 
     @property
@@ -49,9 +44,8 @@ class _TapeDeferral(Deferral):
         return "decoupled" if self.decoupling else "deferred"
 
     def forget(self) -> None:
-        """At the end of its loop's trace: drops what it left for apply_gradients to find;
-        one line where no apply_gradients took it (its gradients were changed or not
-        applied)."""
+        """At the end of its loop's trace: drops what it left for apply_gradients to find,
+        with one line where none took it (its gradients changed, or not applied)."""
         for index in self.deferred:
             _by_gradient.pop(self.reduced[index].ref(), None)
         if self.optimizer is None and not self.decision.get("reason"):
@@ -63,9 +57,8 @@ class _TapeDeferral(Deferral):
 
 
 def attach(tape, reduction: dict, mode) -> None:
-    """Makes Horovod's ``tape`` (its reduction's arguments in ``reduction``) plan
-    cross-step overlap (``mode``: "auto" or True) where its ``gradient`` is traced in the
-    body of a loop inside a ``tf.function``."""
+    """Makes Horovod's ``tape`` (reducing with ``reduction``) plan cross-step overlap
+    (``mode``) or decoupling where its ``gradient`` is traced in a loop body."""
     import tensorflow as tf
     install()
     _intercept_optimizers()
@@ -108,20 +101,17 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     if key in _plans and not _plans[key][0]:      # decided on the first trace: nothing
         return plain(grads, variables, use_generic_names)
     reduced = reduce_without_cond(grads, reduction)
+    dense = reduction.get("sparse_as_dense")      # unreduced, as Horovod's reduction takes them
+    gradients = [tf.convert_to_tensor(g) if dense and isinstance(g, tf.IndexedSlices) else g
+                 for g in grads]
     deferral = _TapeDeferral(decision=dict(planned("cross_step", mode), api="tape"),
                              variables=list(variables), body=graph, loop=loop, level=level,
-                             reduced=list(reduced), reduction=dict(reduction), key=key)
-    dense = reduction.get("sparse_as_dense")
-    for gradient in grads:
-        if isinstance(gradient, tf.IndexedSlices) and dense:
-            gradient = tf.convert_to_tensor(gradient)
-        deferral.gradients.append(gradient)
+                             gradients=gradients, reduced=list(reduced),
+                             reduction=dict(reduction), key=key)
     own = {reducing_allreduce(tensor).name: i
-           for i, (tensor, gradient) in enumerate(zip(reduced, deferral.gradients))
+           for i, (tensor, gradient) in enumerate(zip(reduced, gradients))
            if isinstance(tensor, tf.Tensor) and isinstance(gradient, tf.Tensor)}
-    if _decouples(deferral, graph, own):
-        return reduced
-    if not mode:
+    if _decouples(deferral, graph, own) or not mode:
         return reduced
     if key not in _plans:
         # The first trace decides for the process: a function traced again (TensorFlow
@@ -143,10 +133,8 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
 
 
 def _decouples(deferral: _TapeDeferral, graph, own: dict) -> bool:
-    """Whether the step is to be decoupled (configure(decouple=...)): planned on the first
-    trace, where the reduction allows it; the plan is kept in ``deferral`` for its
-    apply_gradients. Else one line says why, and cross-step overlap is planned as
-    configured."""
+    """Whether the step is decoupled (configure(decouple=...)), as planned on its first
+    trace: the plan kept in ``deferral`` for its apply_gradients; else one line says why."""
     from tfoverlap.horovod.settings import wrapper_option
     from tfoverlap.horovod.in_call.decoupling import plan
     mode = wrapper_option("decouple", False)
@@ -172,8 +160,7 @@ def _decouples(deferral: _TapeDeferral, graph, own: dict) -> bool:
 
 
 def _record(deferral: _TapeDeferral) -> None:
-    """Keeps ``deferral``'s decision for tfoverlap run's summary, once for a step that
-    TensorFlow traces again and that decides alike."""
+    """Keeps ``deferral``'s decision, once for a step traced again that decides alike."""
     record(dict(deferral.decision), "tape", key=deferral.key)
 
 
@@ -182,8 +169,7 @@ def _say(level: int, message: str, option: str = "cross_step") -> None:
 
 
 def _intercept_optimizers() -> None:
-    """Makes Keras optimizers' ``apply_gradients`` defer where it gets a tape's
-    deferrable gradients (once)."""
+    """Makes Keras optimizers' ``apply_gradients`` defer where given a tape's gradients."""
     import tensorflow as tf
     for optimizer_class in (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer):
         patch(optimizer_class, "apply_gradients", _deferring_apply)
@@ -210,17 +196,8 @@ def _claimed(pairs) -> _TapeDeferral | None:
     import tensorflow as tf
     if not _by_gradient or tf.executing_eagerly():
         return None
-    for gradient, _ in pairs:
-        if isinstance(gradient, tf.Tensor):
-            deferral = _by_gradient.get(gradient.ref())
-            if deferral is not None:
-                return deferral
-    return None
-
-
-def _optimizer_variables(optimizer) -> list:
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
+    return next((_by_gradient[gradient.ref()] for gradient, _ in pairs
+                 if isinstance(gradient, tf.Tensor) and gradient.ref() in _by_gradient), None)
 
 
 def _refused(optimizer, deferral: _TapeDeferral, pairs, reads: dict) -> str:
@@ -246,7 +223,8 @@ def _refused(optimizer, deferral: _TapeDeferral, pairs, reads: dict) -> str:
         if given.get(gradient.ref()) is not deferral.variables[index] or gradient.consumers():
             return ("a reduced gradient is used by other ops than the update, or changed "
                     "before it (clipping by global norm, a logged norm)")
-    state = _optimizer_variables(optimizer)
+    state = optimizer.variables
+    state = list(state() if callable(state) else state)
     if not deferral.decoupling:     # decoupled: the state it makes is new to the step
         state += [deferral.buffers[i] for i in deferral.deferred] + [deferral.pending]
     state += [deferral.variables[i] for i in deferral.deferred]
@@ -283,10 +261,9 @@ def _downstream(ops) -> set:
 
 
 def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
-    """``apply_gradients`` of a tape step that defers: the pending chunks reduced and
-    applied first (the step's reads of each deferred variable wait for its chunk), the
-    deferred gradients stored, the others applied. Where it cannot defer, every pair is
-    applied as given (Horovod's reductions), with one line saying why."""
+    """``apply_gradients`` of a tape step that defers (the step's reads of each variable
+    wait for its pending update) or decouples; where it cannot, every pair is applied as
+    given (Horovod's reductions), with one line saying why."""
     import tensorflow as tf
     if not deferral.decoupling:
         build_slots(optimizer, deferral.variables)

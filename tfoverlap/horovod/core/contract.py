@@ -1,11 +1,7 @@
-"""The reduction rules of the Horovod wrappers, written once for every API (graph, tape,
-Keras) and both mechanisms (cross-step deferral, decoupled reduce-scatter/all-gather).
-
-A wrapper describes Horovod's reduction arguments as plain data (:func:`reduction_of`);
-each rule takes that and returns why the reduction cannot be carried out by a mechanism
-("" where it can). The wrappers, the planners and the builders all ask these rules, so
-that ``op=hvd.Sum`` or Adasum mean the same thing in a graph, a tape loop and ``fit``.
-"""
+"""The reduction rules of the Horovod wrappers, written once for every API and mechanism:
+Horovod's reduction arguments as plain data (:func:`reduction_of`), and per mechanism why
+it cannot carry them out ("" where it can), so that ``op=hvd.Sum`` or Adasum mean the
+same in a graph, a tape loop and ``fit``."""
 from __future__ import annotations
 
 from tfoverlap.log import logger
@@ -18,8 +14,7 @@ __all__ = ["reduction_of", "horovods_reduction_kept", "deferral_refused_by_reduc
 def reduction_of(device_dense="", device_sparse="", compression=None, sparse_as_dense=False,
                  op=None, gradient_predivide_factor=1.0, process_set=None,
                  backward_passes_per_step=1, groups=None, num_groups=0) -> dict:
-    """Horovod's reduction arguments with Horovod's defaults filled in (a plain dict that
-    every wrapper, planner and builder reads)."""
+    """Horovod's reduction arguments, its defaults filled in, as one plain dict."""
     import horovod.tensorflow as hvd
     return dict(device_dense=device_dense, device_sparse=device_sparse,
                 compression=hvd.Compression.none if compression is None else compression,
@@ -53,9 +48,8 @@ def keeps_horovods_reduction(reduction: dict) -> bool:
 
 
 def deferral_refused_by_reduction(reduction: dict) -> str:
-    """Why gradients reduced with ``reduction`` cannot have their reduction deferred to the
-    next step ("" where they can): a stored gradient is reduced exactly as in the step only
-    with Horovod's own compressions."""
+    """Why the reduction of gradients reduced with ``reduction`` cannot be deferred ("" if
+    it can): only Horovod's own compressions reduce a stored gradient exactly."""
     import horovod.tensorflow as hvd
     compression = reduction["compression"]
     if compression not in (hvd.Compression.none, hvd.Compression.fp16):

@@ -1,14 +1,7 @@
 """What the Horovod wrappers decided, in one form for every API: :class:`Decision`, and one
-registry (:func:`decisions`) that graph-mode optimizers, tape loops and Keras train
-functions all record into.
-
-A wrapped optimizer or step asks for mechanisms (decoupled reduction, cross-step
-deferral); its planner writes what it found as a plain dict (the Caramel report's
-``cross_step``/``decouple`` entry: mode, counts, predicted and in-step step, reason). The
-registry keeps those dicts per wrapped object, in the order they were decided, and builds
-the :class:`Decision` when asked, so that figures that grow later (a Keras fit's drains)
-are current.
-"""
+registry (:func:`decisions`) of each wrapped object's mechanisms' decision dicts (the
+Caramel report's ``cross_step``/``decouple`` entries), made into a :class:`Decision` when
+asked, so that figures that grow later (a Keras fit's drains) are current."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,10 +20,8 @@ class Decision:
     """What one wrapped optimizer (graph), tape step or Keras train function runs.
 
     ``mechanism``: "decouple", "cross_step" or "in_step" (Caramel's plan within the step);
-    ``deferred``: how many gradients are reduced after their step (deferred or
-    decoupled) and ``deferred_mb`` their size; ``predicted_step_ms`` and ``in_step_ms``:
-    the plan's prediction for the mechanism and for the in-step plan; ``declined``: for
-    each mechanism asked for and not used, why."""
+    ``deferred`` (``deferred_mb``): the gradients reduced after their step; the predicted
+    step with the mechanism and in-step; ``declined``: why, per mechanism not used."""
     api: str
     name: str
     mechanism: str
@@ -50,9 +41,8 @@ class Decision:
 
 
 def planned(mechanism: str, mode, reason: str = "") -> dict:
-    """A mechanism's decision dict before its plan fills it in: how it was asked for
-    (``mode`` "auto" or True), nothing deferred or decoupled yet, and the ``reason`` where
-    it was declined."""
+    """A mechanism's decision dict before its plan fills it in: its ``mode``, nothing
+    deferred or decoupled yet, and the ``reason`` where it was declined."""
     plan = {"mode": "auto" if mode == "auto" else "on",
             "decoupled" if mechanism == "decouple" else "deferred": 0}
     if reason:
@@ -62,9 +52,8 @@ def planned(mechanism: str, mode, reason: str = "") -> dict:
 
 def record(plan, api: str, key=None, name: str = "", mechanism: str | None = None) -> None:
     """Keeps ``plan`` (a decision dict, or a callable that returns the current one) as what
-    ``mechanism`` (by default: "decouple" where the plan counts decoupled gradients, else
-    "cross_step") decided for the wrapped object ``key`` (a hashable; one entry per key,
-    a later plan of the same mechanism replacing the earlier)."""
+    ``mechanism`` (by default: the one the plan counts) decided for the wrapped object
+    ``key``; a later plan of the same key and mechanism replaces it."""
     if mechanism is None:
         mechanism = "decouple" if "decoupled" in _current(plan) else "cross_step"
     if mechanism not in MECHANISMS:

@@ -1,6 +1,5 @@
-"""The bucket layout of decoupled reduction, shared by both backends: where each variable
-of a bucket sits in its flat vector, which shard each rank owns, and the flat, padded
-vectors a reduce-scatter and an all-gather move."""
+"""The bucket layout of decoupled reduction, for both backends: where each variable of a
+bucket sits in its flat, padded vector, and which shard each rank owns."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,11 +10,8 @@ __all__ = ["BucketLayout", "flattened", "padded"]
 
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
-    """Where a bucket's variables sit in its flat vector, and the shard each rank owns.
-
-    ``members``: pair indices; ``counts``: their element counts, in that order (flat
-    offsets follow); ``shard``: elements per rank (the vector is padded to ranks x
-    shard)."""
+    """``members``: pair indices; ``counts``: their element counts, in that order (flat
+    offsets follow); ``shard``: elements per rank (the vector is padded to ranks x shard)."""
 
     members: tuple[int, ...]
     counts: tuple[int, ...]

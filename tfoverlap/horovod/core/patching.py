@@ -1,6 +1,5 @@
-"""The one way the Horovod wrappers replace a method or function of TensorFlow, Keras or
-Horovod: :func:`patch`, idempotent, with one marker, so that an install that runs twice
-(a module imported again, two wrappers in one program) never wraps a wrapper."""
+"""The one way the Horovod wrappers replace a function of TensorFlow, Keras or Horovod:
+:func:`patch`, idempotent (one marker), so an install that runs twice never wraps a wrapper."""
 from __future__ import annotations
 
 __all__ = ["patch", "unpatched", "MARKER"]

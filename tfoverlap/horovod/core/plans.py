@@ -1,7 +1,6 @@
-"""The plans of both mechanisms for one wrapped optimizer or step, from its graph as
-plain data: which reductions cross-step overlap defers (:func:`plan_deferral`), and the
-buckets and all-gather requests of decoupled reduction (:func:`plan_decoupling`), each
-with the decision dict that :mod:`tfoverlap.horovod.core.decisions` keeps."""
+"""The plans of both mechanisms for one wrapped optimizer or step, from its GraphDef, each
+with its decision dict: what cross-step overlap defers, and decoupled reduction's buckets
+and all-gather requests."""
 from __future__ import annotations
 
 from tfoverlap.horovod.core.decisions import planned
@@ -13,14 +12,12 @@ __all__ = ["plan_deferral", "plan_decoupling"]
 
 def plan_deferral(graph_def, own: dict, mode,
                   drain_every: int = 0) -> tuple[list[list[int]], dict]:
-    """Which of an optimizer's reductions to defer to the next step, in chunks, and the
-    decision as the Caramel report gives it. ``own`` maps the names of this optimizer's
-    HorovodAllreduce nodes in ``graph_def`` (which may hold other optimizers' too) to the
-    indices the chunks are made of. ``mode`` "auto" defers where the predicted step gains
-    at least min_gain over the in-step plan's; True wherever a reduction fits under the
-    forward pass. ``drain_every`` N: what is deferred is reduced exposed once every N
-    steps (Keras' drain after each call of N steps), which the prediction charges to each
-    step. Never raises: without a plan nothing is deferred, with a warning."""
+    """(chunks of the reductions to defer to the next step, the decision). ``own``: this
+    optimizer's HorovodAllreduce nodes in ``graph_def`` -> the indices chunks hold. ``mode``
+    "auto" defers where the step gains min_gain over the in-step plan; True wherever a
+    reduction fits under the forward pass. ``drain_every`` N: the deferred reductions are
+    exposed once every N steps (Keras' drain), charged to each step. Without a plan,
+    nothing is deferred, with a warning."""
     from tfoverlap.costs.network import ring_allreduce_seconds
     from tfoverlap.options import link_bandwidth, parse_options
     from tfoverlap.planning.caramel import deferred_chunks, deferred_step, plan_for_graph
@@ -66,13 +63,11 @@ def plan_deferral(graph_def, own: dict, mode,
 
 def plan_decoupling(graph_def, own: dict, count: int,
                     mode) -> tuple[list[list[int]], list[list[int]], dict]:
-    """(buckets of an optimizer's ``count`` gradients in reduce-scatter order, the
-    all-gather requests as lists of bucket indices, the decision as the Caramel report
-    gives it). ``own`` maps the names of this optimizer's HorovodAllreduce nodes in
-    ``graph_def`` to gradient indices; gradients the plan does not cover form a last
-    bucket, gathered first. ``mode`` "auto" decouples where the predicted step gains at
-    least min_gain over the best of Horovod's, the in-step plan's and cross-step
-    overlap's. Never raises: without a plan nothing is decoupled, with a warning."""
+    """(buckets of the ``count`` gradients in reduce-scatter order, all-gather requests as
+    bucket indices, the decision); ``own`` as :func:`plan_deferral`'s. Gradients the plan
+    does not cover form a last bucket, gathered first. ``mode`` "auto" decouples where the
+    step gains min_gain over the best of the others. Without a plan, nothing is decoupled,
+    with a warning."""
     from tfoverlap.options import parse_options
     from tfoverlap.planning.decoupled import plan_decoupled_for_graph
     decision = planned("decouple", mode)

@@ -1,9 +1,7 @@
-"""Checkpoints, saves and broadcasts of a TF2 program (tape loop or Keras ``fit``) whose
-optimizer state is sharded by decoupled reduction: ``tf.train.Checkpoint`` and Keras'
-``.keras`` format hold the whole slots under their plain keys, an optimizer built before
-its first decoupled step hands its state over, ``.h5`` saves and saves of a state not
-gathered are refused, and Horovod's ``broadcast_variables`` carries rank 0's whole state.
-"""
+"""Checkpoints, saves and broadcasts of a TF2 program whose optimizer state decoupled
+reduction shards: whole slots under their plain keys, the state of an optimizer built
+before handed over, ``.h5`` saves and saves not gathered refused, and Horovod's
+``broadcast_variables`` carrying rank 0's state (docs/architecture.md)."""
 from __future__ import annotations
 
 import functools
@@ -18,18 +16,14 @@ __all__ = ["decoupled_by_variables", "decoupled_of_optimizer", "expose_whole_slo
            "plain_order", "consolidate_all", "whole_slots", "shard_state_bytes",
            "CONSOLIDATE_FIRST", "H5_SAVE_REFUSED"]
 
-#: the variables' refs -> their TapeDecoupled (however traced)
-decoupled_by_variables: dict = {}
-#: program optimizer -> its TapeDecoupleds
-decoupled_of_optimizer = weakref.WeakKeyDictionary()
+decoupled_by_variables: dict = {}      # the variables' refs -> their TapeDecoupled
+decoupled_of_optimizer = weakref.WeakKeyDictionary()    # program optimizer -> its TapeDecoupleds
 _legacy_exposed = weakref.WeakKeyDictionary()   # legacy optimizer -> id(variable) -> slots
-
 
 CONSOLIDATE_FIRST = (
     "tfoverlap: decouple: the optimizer state is sharded across the ranks, and this rank "
     "holds only its shard: call tfoverlap.horovod.consolidate_optimizer_state() on every "
     "rank after the last train call and before saving on one rank")
-
 
 H5_SAVE_REFUSED = (
     "tfoverlap: decouple: Keras' .h5 format saves an optimizer's variables, and a "
@@ -39,11 +33,9 @@ H5_SAVE_REFUSED = (
 
 
 def expose_whole_slots(optimizer, decoupled) -> None:
-    """Makes checkpoints of the program's ``optimizer`` hold the whole slots of the
-    decoupled variables where a plain optimizer keeps them (a WholeSlot each, saved and
-    restored through ``decoupled``), and restores into them what a checkpoint read
-    before the first step left pending (or, legacy, restored into the optimizer's own
-    slots, which are then let go)."""
+    """Makes checkpoints of the program's ``optimizer`` hold the decoupled variables'
+    whole slots where a plain optimizer keeps them (a WholeSlot each), restoring into
+    them what a checkpoint read before the first step left pending or restored."""
     import tensorflow as tf
     whole_slot = whole_slot_class()
     wholes = {(i, name): whole_slot(decoupled, b, i, name,
@@ -59,9 +51,8 @@ def expose_whole_slots(optimizer, decoupled) -> None:
 
 
 def _guard_saves(optimizer) -> None:
-    """Makes a checkpoint that holds ``optimizer`` refuse to be written
-    (:data:`CONSOLIDATE_FIRST`) where this rank holds only its shards of the state: a
-    child of the optimizer without values of its own, looked at first."""
+    """Makes a checkpoint of ``optimizer`` refuse to be written where this rank holds only
+    its shards (:data:`CONSOLIDATE_FIRST`), by a child without values of its own."""
     from tensorflow.python.trackable import base as trackable
     program_optimizer = weakref.ref(optimizer)
 
@@ -88,16 +79,15 @@ def _refusing_h5_saves(plain_h5):
 
 
 def _check_savable(optimizer) -> None:
-    """Raises :data:`CONSOLIDATE_FIRST` where this rank holds only its shards of
-    ``optimizer``'s decoupled state."""
+    """Raises :data:`CONSOLIDATE_FIRST` where this rank holds only its shards."""
     if not all(decoupled.savable for decoupled in decoupled_of_optimizer.get(optimizer, [])):
         raise ValueError(CONSOLIDATE_FIRST)
 
 
 def plain_order(optimizer, count: int) -> list:
-    """(variable index, slot name) of each variable that Keras' ``optimizer`` would make
-    for ``count`` variables, in the order of its ``variables[1:]`` (which its checkpoints
-    number): found by building a copy of it for stand-ins of one element each."""
+    """(variable index, slot name) of each of ``variables[1:]`` (which checkpoints number)
+    that Keras' ``optimizer`` would make for ``count`` variables: a copy built for
+    stand-ins tells."""
     import tensorflow as tf
     with tf.init_scope():       # the configuration holds the learning rate's value
         probe = program_class(optimizer).from_config(optimizer.get_config())
@@ -116,11 +106,9 @@ def plain_order(optimizer, count: int) -> list:
 
 
 def _take_over_built(optimizer, decoupled, order) -> None:
-    """Keras' ``optimizer`` built for the decoupled variables before their first decoupled
-    step (an explicit build, a restore into it built, a .keras model loaded): its slots'
-    values go into the shards (and are held whole until the next train call, for a save
-    or Horovod's broadcast), and its slot variables are let go, so that it looks as the
-    decoupled optimizer that was never built."""
+    """Keras' ``optimizer`` built before the first decoupled step (explicitly, restored,
+    a .keras model loaded): its slots' values go into the shards (held whole until the
+    next train call), and its slots are let go, as if it was never built."""
     if not getattr(optimizer, "_built", False):
         return
     slots = list(optimizer.variables[1:])
@@ -140,8 +128,7 @@ def _take_over_built(optimizer, decoupled, order) -> None:
 
 
 def _expose_listed(optimizer, decoupled, wholes) -> None:
-    """Keras' optimizer: its checkpoints number its variables (``_variables/k``), and so
-    do its .keras saves."""
+    """Keras' optimizer: checkpoints and .keras saves number its variables."""
     from tensorflow.python.trackable import base as trackable
     listed = {"0": optimizer.iterations}
     order = plain_order(optimizer, len(decoupled.variables))
@@ -151,8 +138,7 @@ def _expose_listed(optimizer, decoupled, wholes) -> None:
     _take_over_built(optimizer, decoupled, order)
 
     class ListedState(trackable.Trackable):
-        """The optimizer's ``_variables`` as a checkpoint of it without decoupling holds
-        them."""
+        """The optimizer's ``_variables`` as a checkpoint without decoupling holds them."""
 
         def _trackable_children(self, save_type="checkpoint", **kwargs):
             return dict(listed)
@@ -175,10 +161,8 @@ def _expose_listed(optimizer, decoupled, wholes) -> None:
 
 
 def _save_listed_as_keras(optimizer, listed: dict) -> None:
-    """Makes Keras' .keras format save and load ``optimizer``'s variables as it does
-    without decoupling (``listed``: its checkpoint numbering, the step counter and the
-    whole slots), which Keras reads back into an optimizer it built (its state is then
-    taken over at the first decoupled step)."""
+    """Makes Keras' .keras format save and load ``optimizer``'s variables as without
+    decoupling (``listed``: the step counter and the whole slots, numbered)."""
     import tensorflow as tf
     from tensorflow.python.trackable import base as trackable
     key = trackable.VARIABLE_VALUE_KEY
@@ -252,9 +236,8 @@ def _expose_legacy(optimizer, decoupled, wholes) -> None:
 
 
 def _install_broadcast_hook() -> None:
-    """Makes Horovod's ``broadcast_variables`` of a decoupled optimizer's step counter
-    (``optimizer.variables``) carry the root's whole state where the root holds it (a
-    checkpoint restored there alone), as it carries a plain optimizer's slots."""
+    """Makes Horovod's ``broadcast_variables`` of a decoupled optimizer's variables carry
+    the root's whole state where it holds it, as it carries a plain optimizer's slots."""
     import horovod.tensorflow as hvd
     from horovod.tensorflow import functions
     patch(functions, "broadcast_variables", _broadcasting_whole_state)
@@ -278,8 +261,7 @@ def _broadcasting_whole_state(plain):
 
 
 def consolidate_all() -> bool:
-    """Every tape step's decoupled state gathered whole on every rank (collective);
-    False where nothing was decoupled."""
+    """Every decoupled state gathered whole on every rank (collective); False if none."""
     decoupleds = list({id(d): d for d in decoupled_by_variables.values()}.values())
     for decoupled in decoupleds:
         decoupled.consolidate()
@@ -287,9 +269,8 @@ def consolidate_all() -> bool:
 
 
 def whole_slots(optimizer) -> dict:
-    """The whole optimizer state of every variable that ``optimizer``'s tape steps
-    decoupled: {variable ref: {slot name: value}} (eager; collective: every rank calls
-    it, after the same calls)."""
+    """{variable ref: {slot name: whole value}} of the variables ``optimizer`` decoupled
+    (eager; collective: every rank calls it, after the same calls)."""
     state = {}
     for decoupled in decoupled_of_optimizer.get(optimizer, []):
         for (i, name), value in decoupled.gathered_slots().items():
@@ -298,8 +279,8 @@ def whole_slots(optimizer) -> dict:
 
 
 def shard_state_bytes(optimizer) -> int:
-    """The bytes of optimizer state this rank holds for the variables that
-    ``optimizer``'s tape steps decoupled (0 where none)."""
+    """The bytes of optimizer state this rank holds for the variables ``optimizer``
+    decoupled."""
     return sum(int(slot.shape.num_elements()) * slot.dtype.size
                for decoupled in decoupled_of_optimizer.get(optimizer, [])
                for b in range(len(decoupled.shards))

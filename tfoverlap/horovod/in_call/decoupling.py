@@ -1,9 +1,6 @@
-"""Decoupled reduction within one ``tf.function`` call (tape loops and Keras ``fit``): each
-step all-gathers what the step before updated, reduce-scatters its own gradients and has
-a shard copy of the program's optimizer update this rank's shards; the call ends with the
-parameters gathered (docs/architecture.md, "How the Horovod mechanisms keep the
-contract"). Checkpoints and saves: :mod:`tfoverlap.horovod.in_call.checkpoints`.
-"""
+"""Decoupled reduction within one ``tf.function`` call (tape loops and Keras ``fit``;
+docs/architecture.md, "Tape loops and Keras, decoupled reduction"); its checkpoints and
+saves: :mod:`tfoverlap.horovod.in_call.checkpoints`."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,20 +21,16 @@ __all__ = ["plan", "refused", "refuse_again", "TapeDecoupled", "decoupled_for"]
 _numbers = itertools.count()
 
 
-def _decouplable_classes() -> tuple:
-    import tensorflow as tf
-    keras = tf.keras.optimizers
-    return (keras.SGD, keras.Adam, keras.AdamW, keras.legacy.SGD, keras.legacy.Adam)
-
-
 def refused(optimizer, variables, gradients=()) -> str:
     """Why the updates of ``optimizer`` to ``variables`` with the unreduced ``gradients``
-    (where given) cannot be decoupled ("" if they can)."""
+    (if given) cannot be decoupled ("" if they can)."""
     import tensorflow as tf
+    keras = tf.keras.optimizers
     refusal = optimizer_refused(optimizer)
     if refusal:
         return refusal
-    if program_class(optimizer) not in _decouplable_classes():
+    if program_class(optimizer) not in (keras.SGD, keras.Adam, keras.AdamW, keras.legacy.SGD,
+                                        keras.legacy.Adam):
         return (f"{program_class(optimizer).__name__}: only Keras' SGD, Adam and AdamW "
                 "(and legacy SGD and Adam) are decoupled")
     if getattr(optimizer, "_exclude_from_weight_decay", None) or getattr(
@@ -82,10 +75,9 @@ def refuse_again(optimizer, variables, refusal: str) -> None:
 
 def plan(graph, own: dict, count: int, reduction: dict, mode,
          refusal: str = "") -> tuple[list, list, dict]:
-    """(buckets, all-gather requests, decision) for a step of ``count`` gradients traced
-    in ``graph`` (``own``: its HorovodAllreduce names -> gradient indices, the dense ones)
-    and reduced with ``reduction``: decouple's plan, or none with the reason (``refusal``,
-    a reduction that cannot be reduce-scattered, a gradient that is not dense)."""
+    """(buckets, all-gather requests, decision) of a step of ``count`` gradients traced in
+    ``graph`` (``own``: HorovodAllreduce names -> indices of the dense ones), or none with
+    the reason: ``refusal``, the reduction's, or a gradient that is not dense."""
     from tfoverlap.horovod.core.plans import plan_decoupling
     refusal = (refusal or decoupling_refused_by_reduction(reduction)
                or ("" if len(set(own.values())) == count else "a gradient is not a dense "
@@ -97,8 +89,7 @@ def plan(graph, own: dict, count: int, reduction: dict, mode,
 
 def _built_for(optimizer, variables) -> bool:
     """Whether Keras' ``optimizer`` is unbuilt, or built for ``variables`` alone, in their
-    order (then its state is taken over: :func:`_take_over_built`; a legacy optimizer's
-    slots, restored or built, always are: :func:`_expose_legacy`)."""
+    order (then its state is taken over; a legacy optimizer's always is)."""
     import tensorflow as tf
     if not isinstance(optimizer, tf.keras.optimizers.Optimizer) or not getattr(
             optimizer, "_built", False):
@@ -110,8 +101,8 @@ def _built_for(optimizer, variables) -> bool:
 
 
 def _shard_optimizer(optimizer):
-    """A copy of the program's ``optimizer`` (same class and configuration) that shares
-    its step counter and learning rate, for the shard variables."""
+    """A copy of the program's ``optimizer`` for the shard variables, sharing its step
+    counter and learning rate."""
     import tensorflow as tf
     with tf.init_scope():       # the configuration holds the learning rate's value
         copy = program_class(optimizer).from_config(optimizer.get_config())
@@ -153,9 +144,8 @@ class TapeDecoupled:
 
     def gather_pending(self) -> list:
         """All-gathers the updated shards where an update is pending and assigns the
-        parameters, request by request (each starts when the one before it has been
-        gathered); nothing where none is pending. Returns each request's assignment (a
-        boolean tensor), in order."""
+        parameters, request by request (:func:`chained_where_pending`); returns each
+        request's assignment (a boolean tensor), in order."""
         import horovod.tensorflow as hvd
         import tensorflow as tf
         ranks = self.process_set.size()
@@ -178,21 +168,18 @@ class TapeDecoupled:
         return assigned
 
     def update(self, gradients):
-        """The step's update: each bucket of the unreduced ``gradients`` (by variable
-        index) reduce-scattered, this rank's shard of the parameters loaded and updated by
-        the shard optimizer, and the all-gather marked pending. Returns the shard
-        optimizer's apply_gradients result."""
+        """The step's update: each bucket of the unreduced ``gradients`` reduce-scattered,
+        this rank's shards of the parameters loaded and updated by the shard optimizer
+        (its apply_gradients' result returned), and the all-gather marked pending."""
         import horovod.tensorflow as hvd
         import tensorflow as tf
         ranks, rank = self.process_set.size(), self.process_set.rank()
-        scattered, loads = [], []
-        for b, layout in enumerate(self.layouts):
-            flat = padded([gradients[i] for i in layout.members], ranks * layout.shard)
-            scattered.append(hvd.reducescatter(flat, op=self.op, process_set=self.process_set,
-                                               name=f"tfoverlap_scatter{b}"))
-        for b, layout in enumerate(self.layouts):
-            loads.append(self.shards[b].assign(
-                layout.shard_of(rank, lambda i: self.variables[i]), read_value=False))
+        scattered = [hvd.reducescatter(padded([gradients[i] for i in layout.members],
+                                              ranks * layout.shard), op=self.op,
+                                       process_set=self.process_set, name=f"tfoverlap_scatter{b}")
+                     for b, layout in enumerate(self.layouts)]
+        loads = [self.shards[b].assign(layout.shard_of(rank, lambda i: self.variables[i]),
+                                       read_value=False) for b, layout in enumerate(self.layouts)]
         with tf.control_dependencies(loads):
             result = self.optimizer.apply_gradients(list(zip(scattered, self.shards)))
         with tf.control_dependencies([result] if isinstance(result, tf.Tensor) else []):
@@ -227,8 +214,7 @@ class TapeDecoupled:
                 for name in self.optimizer.get_slot_names()}
 
     def trained(self) -> None:
-        """A call that updates the shards, counted (its start or end): the whole values
-        held are stale."""
+        """A call that updates the shards, counted: the whole values held are stale."""
         self.calls += 1
         self.whole = {}
 
@@ -259,10 +245,9 @@ class TapeDecoupled:
             len(layout.members) for layout in self.layouts) * len(self.slot_names)
 
     def saved_value(self, i, name):
-        """What a checkpoint writes of variable ``i``'s slot ``name``: the whole value this
-        rank holds since its last train call, else zeros (nothing trained yet; or a
-        restore, which asks for the value's type alone: a save is refused before, by
-        :func:`_guard_saves`)."""
+        """What a checkpoint writes of variable ``i``'s slot ``name``: the whole value held
+        since the last train call, else zeros (nothing trained yet, or a restore, which
+        asks for the type alone: a save is refused before)."""
         import tensorflow as tf
         if self.whole_at == self.calls and (i, name) in self.whole:
             return self.whole[i, name]
@@ -270,8 +255,7 @@ class TapeDecoupled:
 
     def restore_whole(self, b, i, name, value) -> None:
         """Variable ``i``'s slot ``name`` restored to ``value``: kept whole (a save or a
-        broadcast may follow), and this rank's part written into its shard (no
-        collective)."""
+        broadcast may follow), this rank's part written into its shard (no collective)."""
         import tensorflow as tf
         value = tf.reshape(tf.convert_to_tensor(value), self.variables[i].shape)
         if self.whole_at != self.calls:
@@ -286,9 +270,8 @@ class TapeDecoupled:
                 slot[at:at + end - first].assign(flat[first:end])
 
     def broadcast_state(self, root_rank: int) -> None:
-        """The whole state that ``root_rank`` restored (if it holds it whole) given to
-        every rank, each taking its shard (collective; nothing moves where the root holds
-        only its shard: the ranks' shards already agree)."""
+        """The whole state that ``root_rank`` restored given to every rank, each taking its
+        shard (collective; nothing moves where the root holds only its shard)."""
         import horovod.tensorflow as hvd
         import tensorflow as tf
         keys = [(b, i, name) for b, layout in enumerate(self.layouts)
@@ -306,9 +289,8 @@ class TapeDecoupled:
 
 
 def decoupled_for(optimizer, variables, buckets, gathers, reduction) -> TapeDecoupled:
-    """The shards, shard optimizer and pending flag of ``variables`` (made once: a
-    function traced again uses the same ones), and the program optimizer's refusal to be
-    saved without its state."""
+    """The TapeDecoupled of ``variables``: its shards, shard optimizer and pending flag,
+    made once (a function traced again uses the same ones), its checkpoint views."""
     import tensorflow as tf
     key = variables[0].ref()
     if _decoupled_with(optimizer, variables) is not None:

@@ -1,12 +1,7 @@
-"""The in-call backend's hooks on TensorFlow: where a tape step's pending work ends.
-
-A step traced in the body of a while loop inside a ``tf.function`` may leave work pending
-for the next iteration; after the loop, in the same function, a drain finishes it
-(:func:`_drain`), and where a ``next(iterator)`` in the loop runs out the function drains
-before the error reaches the program (:func:`_drain_on_error`). The reads of a variable
-whose update is pending wait for it by a control edge, and TensorFlow's automatic control
-dependencies leave them alone (:func:`_unordered`).
-"""
+"""The in-call backend's hooks on TensorFlow, where a tape loop's pending work ends: a
+drain after the loop (:func:`_drain`) and where its input runs out
+(:func:`_drain_on_error`), and reads that wait for an update left out of automatic
+control dependencies (:func:`_unordered`; docs/architecture.md, "Tape loops")."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +29,7 @@ _trains = weakref.WeakKeyDictionary()           # function graph -> the shards i
 
 @dataclasses.dataclass
 class Loop:
-    """A while loop being traced: the graph it is built in, the deferrals its body
-    planned, and those it applied."""
+    """A while loop being traced: its graph, the deferrals its body planned and applied."""
     graph: object
     planned: list = dataclasses.field(default_factory=list)
     deferrals: list = dataclasses.field(default_factory=list)
@@ -50,18 +44,15 @@ def loop_of(graph) -> Loop | None:
 
 
 def staging(graph) -> bool:
-    """Whether ``graph`` is AutoGraph's trial trace of a loop body (it infers the types of
-    variables first set in the loop from it, and drops it)."""
+    """Whether ``graph`` is AutoGraph's trial trace of a loop body (dropped after it)."""
     from tensorflow.python.framework.func_graph import FuncGraph
     return type(graph) is FuncGraph and graph.name == "tmp"
 
 
 def install() -> None:
-    """Hooks the end of while loops (for the drain), the calls of concrete functions (for
-    a drain where the input runs out) and TensorFlow's automatic control dependencies
-    (for the reads); cheap, and idle where nothing is deferred. The hooks must be in
-    place before a loop's trace begins: ``tfoverlap.horovod`` installs them when imported
-    after TensorFlow."""
+    """Hooks while loops, concrete functions' calls and automatic control dependencies
+    (idle where nothing is deferred). They must be in place before a loop's trace begins:
+    ``tfoverlap.horovod`` installs them when imported after TensorFlow."""
     from tensorflow.python.eager.polymorphic_function import concrete_function
     from tensorflow.python.framework import auto_control_deps
     from tensorflow.python.ops import while_v2
@@ -151,9 +142,8 @@ def _drain(loop: Loop, outputs) -> None:
 
 def _drain_on_error(loop: Loop) -> None:
     """Where a ``next(iterator)`` in the loop runs out, the call fails before the drain
-    after the loop: the function that holds the loop then drains what the last step left
-    pending (every rank runs out at the same step, as Horovod needs) before the error goes
-    on to the program."""
+    after the loop: the function that holds it then drains before the error goes on
+    (every rank runs out at the same step)."""
     import tensorflow as tf
     drains = _drains_on_error.setdefault(_outermost(loop.graph), {})
     for deferral in loop.deferrals:
@@ -164,8 +154,7 @@ def _drain_on_error(loop: Loop) -> None:
 
 
 def _outermost(graph):
-    """The function graph that holds ``graph`` (itself where it is one), whose calls run
-    the loop."""
+    """The function graph that holds ``graph`` (itself where it is one)."""
     from tensorflow.python.framework.func_graph import FuncGraph
     while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
         graph = graph.outer_graph
@@ -173,9 +162,9 @@ def _outermost(graph):
 
 
 def _unordered(op, reads, writes) -> bool:
-    """TensorFlow's automatic control dependencies: the reads of a deferred variable that
-    were traced before its update touch no resource (they wait for the update by a
-    control edge; ordered as traced, they would also come before it: a cycle)."""
+    """Automatic control dependencies: the reads of a deferred variable traced before its
+    update touch no resource (they wait for it by a control edge; ordered as traced, they
+    would also come before it: a cycle)."""
     names = unordered_reads.get(op.graph)
     if not names or op.name not in names or not (reads or writes):
         return False

@@ -1,13 +1,7 @@
-"""Cross-step overlap within one call of a ``tf.function``: what Keras ``model.fit``
-(:mod:`tfoverlap.horovod.adapters.keras_fit`) and a loop of tape steps
-(:mod:`tfoverlap.horovod.adapters.tape`) share.
-
-A step keeps the unreduced gradients that become ready last in buffers and marks them
-pending; the next step of the same call first reduces and applies them, chunk by chunk,
-at the step count they came from, while its forward pass reads each variable after its
-chunk's update; the call ends with a drain of what the last step left pending. So between
-calls nothing is pending and user code sees plain Horovod's weights.
-"""
+"""Cross-step overlap within one call of a ``tf.function``, as Keras ``fit`` and a loop of
+tape steps share it: a step keeps its last gradients in buffers, marked pending, and the
+next step of the call reduces and applies them first; a drain ends the call, so between
+calls nothing is pending (docs/architecture.md, "Keras fit")."""
 from __future__ import annotations
 
 import dataclasses
@@ -52,9 +46,8 @@ class Deferral:
         return bool(chunks)
 
     def finish_pending(self) -> list:
-        """What the step before left pending, done: the deferred reductions reduced and
-        applied (:func:`apply_pending`), or (decoupled) the updated shards all-gathered and
-        assigned. Returns each chunk's update (a boolean tensor), in order."""
+        """What the step before left pending, done (:func:`apply_pending`, or decoupled:
+        the shards all-gathered); each chunk's update (a boolean tensor), in order."""
         if self.decoupled is not None:
             return self.decoupled.gather_pending()
         return apply_pending(self)
@@ -94,8 +87,7 @@ def optimizer_refused(optimizer) -> str:
 
 def build_slots(optimizer, variables) -> None:
     """Creates the optimizer's slots for every variable now, as its first full
-    apply_gradients would (a first apply of a subset would build the new optimizers for
-    that subset only)."""
+    apply_gradients would (a first apply of a subset builds Keras' for the subset only)."""
     import tensorflow as tf
     with tf.init_scope():
         if isinstance(optimizer, tf.keras.optimizers.Optimizer):
@@ -106,8 +98,7 @@ def build_slots(optimizer, variables) -> None:
 
 def make_buffers(deferral: Deferral) -> None:
     """The deferred gradients' buffers and the pending flag, made once per variable (a
-    function traced again uses the same ones: TensorFlow makes variables on a first trace
-    only)."""
+    function traced again must use the same ones)."""
     import tensorflow as tf
     with tf.init_scope():
         for index in sorted(deferral.deferred):
@@ -124,9 +115,9 @@ def make_buffers(deferral: Deferral) -> None:
 
 
 def chained_where_pending(pending, chunks, collect, nothing) -> list[list]:
-    """Per chunk, in order, ``collect(chunk)`` (a collective's outputs) where ``pending``,
-    else ``nothing(chunk)`` (tensors alike); each chunk's collective starts when the one
-    before it has its outputs, so the requests go one after another, first chunk first."""
+    """Per chunk, ``collect(chunk)`` (a collective's outputs) where ``pending``, else
+    ``nothing(chunk)`` (tensors alike); each collective starts when the one before has its
+    outputs, so the requests go one after another, first chunk first."""
     import tensorflow as tf
     outputs, previous = [], []
     for chunk in chunks:
@@ -140,13 +131,10 @@ def chained_where_pending(pending, chunks, collect, nothing) -> list[list]:
 
 def apply_pending(deferral: Deferral) -> list:
     """Reduces and applies the pending deferred gradients, chunk by chunk, at the step
-    count they came from; nothing where none is pending. Returns each chunk's update (a
-    boolean tensor), in order.
-
-    Each chunk's reduction (Horovod's, marked deferred: out of Caramel's in-step plan)
-    starts when the one before it has been reduced, not applied: the ring goes from chunk
-    to chunk, one request each, while the updates (which TensorFlow runs one after
-    another, as they share the optimizer's step counter) and the forward pass follow."""
+    count they came from (nothing where none is pending); returns each chunk's update (a
+    boolean tensor). Each reduction (marked deferred: out of Caramel's in-step plan)
+    starts once the one before is reduced, not applied: the ring goes from chunk to chunk
+    while the updates (in order: they share the step counter) follow behind."""
     import tensorflow as tf
 
     from tfoverlap.horovod.session.deferral import mark_deferred, reducing_allreduce
@@ -176,8 +164,7 @@ def apply_pending(deferral: Deferral) -> list:
 
 
 def program_class(optimizer):
-    """The class of the program's ``optimizer`` (the one Horovod's Keras wrapper derives
-    from, where it is one)."""
+    """The class of the program's ``optimizer`` (under Horovod's Keras wrapper, if one)."""
     cls = type(optimizer)
     while cls.__module__.startswith("horovod") and len(cls.__mro__) > 1:
         cls = cls.__mro__[1]

@@ -1,8 +1,6 @@
-"""Decoupled reduction in graph mode (``configure(decouple=...)``): each bucket of
-gradients is reduce-scattered under the backward pass, each rank updates its own shard
-with the program's optimizer, and a background run all-gathers the parameters under the
-next forward pass (docs/architecture.md, "How the Horovod mechanisms keep the contract").
-"""
+"""Decoupled reduction in graph mode: buckets reduce-scattered under the backward pass,
+each rank's shard updated, the parameters all-gathered by a background run under the next
+forward pass (docs/architecture.md, "Graph mode, decoupled reduction")."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,16 +38,12 @@ def decoupling_refused(optimizer, variables, reduced, reduction: dict) -> str:
 def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buckets,
                      gathers, apply_in_step, reduction: dict,
                      refusal_level: int = logging.WARNING):
-    """Builds the step of ``optimizer`` (wrapped by Horovod) decoupled; returns its train
-    op (None, with one line at ``refusal_level``, where it cannot be).
-
-    ``grads_and_vars``: what the program passed to apply_gradients. ``local[i]``,
-    ``reduced[i]`` and ``allreduces[i]`` are pair ``i``'s unreduced gradient, reduced
-    gradient and HorovodAllreduce op (left unrun). ``buckets``: lists of pair indices in
-    the order the backward pass makes them; ``gathers``: lists of bucket indices, first
-    needed first. ``apply_in_step(pairs)`` is the wrapped optimizer's apply_gradients;
-    ``reduction``: Horovod's reduction arguments (its op and process set are the
-    reduce-scatter's)."""
+    """Builds the step of Horovod's wrapped ``optimizer`` decoupled; returns its train op
+    (None, with one line at ``refusal_level``, where it cannot be). ``local``, ``reduced``,
+    ``allreduces`` as :func:`~tfoverlap.horovod.session.deferral.defer_updates` takes them
+    (the AllReduces left unrun); ``buckets``: pair indices in the order the backward pass
+    makes them; ``gathers``: bucket indices, first needed first; ``reduction``: Horovod's
+    arguments (its op and process set are the reduce-scatter's)."""
     import tensorflow as tf
     pairs = list(grads_and_vars)
     refused = not_reduced_alone(pairs, reduced, range(len(pairs)))
@@ -116,9 +110,8 @@ def decouple_updates(optimizer, grads_and_vars, local, reduced, allreduces, buck
 
 @dataclasses.dataclass
 class _Gathering:
-    """The background run's side of a decoupled step: the queues the train run stores
-    its updated shards in, the all-gathers (first layers first, in the plan's requests)
-    and the applies that assign the gathered parameters where an op first needs them."""
+    """The background run's side of a decoupled step: the queues of the updated shards,
+    the all-gathers (first layers first, by request) and the applies of their results."""
     stored: list                   # FIFOQueue per bucket: the shard the train run updated
     gathered: list                 # StagingArea per request: the gathered wholes
     tokens: list                   # StagingArea per request: an update is pending
@@ -171,8 +164,8 @@ class _Gathering:
                    consolidating, close)
 
     def background(self, graph, state):
-        """The background run's op: every request gathered and staged, the first once the
-        state is consolidated where some rank asked for it."""
+        """The background run's op: every request gathered and staged, the first after a
+        consolidation where some rank asked for one."""
         import tensorflow as tf
         with graph.name_scope("gather0"):
             with tf.control_dependencies([tf.cond(self.consolidating,
@@ -184,9 +177,8 @@ class _Gathering:
 
 
 def _scattered_shards(layouts, local, variables, reduction) -> tuple[list, list, list]:
-    """The train run's side: each bucket of the ``local`` gradients reduce-scattered, and
-    this rank's shard variable of each bucket, loaded with its part of the parameters.
-    Returns (shard gradients, shard variables, the loads)."""
+    """The train run's side: (each bucket of ``local`` gradients reduce-scattered, this
+    rank's shard variables, their loads of its part of the parameters)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
     process_set = reduction["process_set"]
@@ -207,8 +199,7 @@ def _scattered_shards(layouts, local, variables, reduction) -> tuple[list, list,
 
 
 def _pending_apply(token, gathered, arrived, layouts, variables):
-    """The op that assigns a chunk's gathered parameters to its variables, if an update is
-    pending, else does nothing (:func:`~tfoverlap.horovod.session.deferral.staged_apply`)."""
+    """The op that assigns a request's gathered parameters, where one is pending."""
     import tensorflow as tf
 
     def update(_, wholes):

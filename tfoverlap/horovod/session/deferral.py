@@ -1,9 +1,7 @@
-"""Cross-step overlap in graph mode (``configure(cross_step=...)``): the reductions of the
-gradients that become ready last are stored by the train run and reduced by a background
-run under the next step's forward pass; every op that uses such a variable first applies
-its update, so whatever a program reads is plain Horovod's (docs/architecture.md, "How
-the Horovod mechanisms keep the contract").
-"""
+"""Cross-step overlap in graph mode: the gradients ready last, stored by the train run,
+are reduced by a background run under the next step's forward pass, and every op that
+uses such a variable applies its update first (docs/architecture.md, "Graph mode,
+cross-step overlap")."""
 from __future__ import annotations
 
 import logging
@@ -121,17 +119,12 @@ def _between(source, sink) -> list:
 
 def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
                   apply_in_step, refusal_level: int = logging.WARNING):
-    """Builds the step of ``optimizer`` (wrapped by Horovod) with the updates that
-    ``chunks`` name deferred; returns its train op.
-
-    ``grads_and_vars``: what the program passed to apply_gradients. ``local[i]``,
-    ``reduced[i]`` and ``allreduces[i]`` are the unreduced gradient, the reduced gradient
-    (the Identity the reduction ends in) and the HorovodAllreduce op of pair ``i``;
-    ``chunks`` lists pair indices, first chunk first. ``apply_in_step(pairs)`` is the
-    optimizer's apply_gradients for the pairs kept in the step. Where a deferred pair's
-    gradient is not its reduced gradient alone (changed or used after the reduction: a
-    global-norm clip, a summary), nothing is deferred, with one line at
-    ``refusal_level``."""
+    """Builds the step of Horovod's wrapped ``optimizer`` with the updates of the pairs
+    ``chunks`` name deferred (first chunk first); returns its train op. ``local[i]``,
+    ``reduced[i]``, ``allreduces[i]``: pair ``i``'s unreduced gradient, reduced gradient
+    (the reduction's last Identity) and HorovodAllreduce op. ``apply_in_step(pairs)``
+    applies the pairs kept in the step. Where a deferred pair's gradient is not its
+    reduced gradient alone, nothing is deferred, with one line at ``refusal_level``."""
     import tensorflow as tf
     pairs = list(grads_and_vars)
     deferred = [i for chunk in chunks for i in chunk]
@@ -195,11 +188,9 @@ def defer_updates(optimizer, grads_and_vars, local, reduced, allreduces, chunks,
 
 def _deferred_chunk(optimizer, chunk, variables, local, reduced, allreduces, values,
                     previous) -> dict:
-    """One chunk of a deferring step: the queue the train run stores its unreduced
-    gradients in (with the token of the step's ``values``), the background run's
-    reduction of them (the chunk's own HorovodAllreduce ops, re-pointed at the stored
-    gradients, after the ``previous`` chunk's), and the apply that an op that uses one of
-    its variables or slots runs first."""
+    """One chunk of a deferring step: the queue the train run stores its gradients in (and
+    the token of the step's ``values``), the background run's reduction of them (its own
+    HorovodAllreduce ops re-pointed, after the ``previous`` chunk's), and its apply."""
     import tensorflow as tf
     from tensorflow.python.ops.data_flow_ops import StagingArea
     shapes = [g.shape for g in local] if all(g.shape.is_fully_defined() for g in local) \
@@ -235,9 +226,8 @@ def _deferred_chunk(optimizer, chunk, variables, local, reduced, allreduces, val
 
 
 def not_reduced_alone(pairs, reduced, indices) -> str:
-    """Why the updates of ``pairs`` at ``indices`` cannot be moved away from the step's
-    reduction: the gradient given to apply_gradients is not the ``reduced`` tensor, or that
-    is used elsewhere ("" if neither)."""
+    """Why the updates of ``pairs`` at ``indices`` cannot leave the step's reduction: the
+    gradient given is not the ``reduced`` tensor, or that is used elsewhere ("" if not)."""
     for index in indices:
         gradient, variable = pairs[index]
         if gradient is not reduced[index]:
@@ -251,9 +241,8 @@ def not_reduced_alone(pairs, reduced, indices) -> str:
 
 
 def _read_before_the_step_advances(optimizer, reads, step_ops) -> None:
-    """Adam's beta powers are advanced once a step, after its updates (by ops among
-    ``step_ops``, what apply_gradients built): the token's reads of them come first, as
-    the step's own updates' do."""
+    """Adam's beta powers advance after the step's updates (by ops among ``step_ops``):
+    the token's reads of them come first, as the updates' do."""
     handles = {power.handle.name for power in optimizer._get_beta_accumulators()}  # noqa: SLF001
     for op in step_ops:
         if op.type == "AssignVariableOp" and op.inputs[0].name in handles:

@@ -1,13 +1,7 @@
-"""The session backend's pending work: what a train run of a TF1 session leaves for the
-next one, for both mechanisms (cross-step's deferred reductions, decoupled reduction's
-all-gathers).
-
-A mechanism registers its group (:func:`register_pending`): the ops that mark the train
-run, the op its background run runs when that run returns (on every rank alike), and per
-variable the op that applies what is pending. Every op built outside the group that uses
-such a variable waits for that apply (:func:`_guard_new_ops`), before any session sees
-it; the session hooks start the background runs and join them before a close.
-"""
+"""The session backend's pending work, what a TF1 train run leaves for the next one
+(deferred reductions, decoupled all-gathers): a mechanism registers its group
+(:func:`register_pending`); every op built outside it that uses a pending variable waits
+for its apply, and the session hooks start the background runs and join them."""
 from __future__ import annotations
 
 import atexit
@@ -62,19 +56,14 @@ _JOIN_SECONDS = 120
 def register_pending(graph, name: str, stores, background, close, guard_of: dict,
                      hidden=frozenset(), own=frozenset(), summary=None,
                      broadcast_with=None) -> None:
-    """Registers work that a train run leaves pending for the next one (cross-step's
-    deferred reductions, decoupled reduction's all-gathers), and installs the session hooks
-    that keep it safe:
-
-    ``stores``: names of the ops that mark a run as the train run; when such a run
-    returns, ``background`` (an op) runs in a background run of the same session, on every
-    rank alike; ``close`` closes its queues if it fails. ``guard_of``: handle tensor name
-    -> the op that applies what is pending to that variable (or slot): every op built
-    outside ``own`` (op names) that uses the handle waits for it. ``hidden``: names of
-    tensors that exist only in the background run (using one is a :class:`DeferralError`).
-    ``summary``: what :func:`summed_summaries` adds up. ``broadcast_with``: handle tensor
-    name -> an op (collective) that every Horovod broadcast of that variable from rank 0
-    runs first (decoupled reduction's optimizer state, which is not a global variable)."""
+    """Registers work a train run leaves pending, and installs the session hooks.
+    ``stores``: the ops that mark the train run; when it returns, ``background`` runs in a
+    background run of the session (every rank alike), ``close`` closing its queues if
+    that fails. ``guard_of``: handle tensor name -> the apply that ops built outside
+    ``own`` (op names) using it wait for. ``hidden``: tensors of the background run alone
+    (a use is a :class:`DeferralError`). ``summary``: what :func:`summed_summaries` adds
+    up. ``broadcast_with``: handle tensor name -> a collective that Horovod's broadcast of
+    it from rank 0 runs first (decoupled reduction's optimizer state)."""
     import tensorflow as tf
     state = _graphs.setdefault(graph, _GraphState())
     with _lock:
@@ -95,16 +84,12 @@ def _listed(tensors) -> list:
 
 
 def staged_apply(tokens, ready, arrived, update):
-    """The op that applies a chunk's pending update, if one is pending (a token is staged
-    in the ``tokens`` StagingArea by the train run), else does nothing.
-
-    ``update(values, results)`` builds the update's ops from the token's values and what
-    the background run staged in ``ready``; it waits for them on the ``arrived`` queue,
-    which the background run fills after staging them (:func:`stage_results`; a wait that
-    holds no thread, where a StagingArea's peek would). Token and results are taken off
-    only after the update has run, and past the wait no op is one that a failing run
-    cancels: a run that fails while it applies (an exhausted input, a refused save) still
-    completes the update, and one that fails before leaves it whole for the next run."""
+    """The op that applies a chunk's update where the train run staged a token in
+    ``tokens``, else does nothing. ``update(values, results)`` builds it from the token's
+    values and the background run's results in ``ready``, waited for on ``arrived``
+    (:func:`stage_results`; a wait that holds no thread, as a peek would). Token and
+    results are taken off once it has run, by ops a failing run does not cancel: an
+    update is applied whole, or left whole for the next run."""
     import tensorflow as tf
 
     def apply_pending():
@@ -123,24 +108,24 @@ def staged_apply(tokens, ready, arrived, update):
 
 
 def stage_results(ready, arrived, results):
-    """The background run's op that stages ``results`` in ``ready`` and then says so on
-    ``arrived`` (for :func:`staged_apply`)."""
+    """The background run's op that stages ``results`` in ``ready``, then says so on
+    ``arrived``."""
     import tensorflow as tf
     with tf.control_dependencies([ready.put(results)]):
         return arrived.enqueue([tf.constant(True)])
 
 
 def arrival_queue(name: str = "arrived"):
-    """The queue on which :func:`staged_apply` waits for the background run's results;
-    closing it (the background run failed) makes that wait fail instead of hang."""
+    """The queue :func:`staged_apply` waits on; closed (the background run failed), the
+    wait fails instead of hanging."""
     import tensorflow as tf
     return tf.queue.FIFOQueue(1, [tf.bool], [[]], name=name)
 
 
 def _guard_new_ops(graph, state) -> None:
-    """Makes every op built since the last call that uses a deferred variable or slot wait
-    for its chunk's apply; raises DeferralError where one uses a reduced gradient (it
-    exists only in the background run). Called before a session first sees the ops."""
+    """Makes every op built since the last call that uses a pending variable or slot wait
+    for its apply, before a session first sees it; a DeferralError where one uses a
+    reduced gradient (it exists in the background run alone)."""
     if state.scanned >= graph.version:
         return
     own = frozenset().union(*(group.own for group in state.groups))
@@ -178,9 +163,8 @@ def _guard_new_ops(graph, state) -> None:
 
 
 def _broadcast_companions(broadcast, broadcast_with: dict, present) -> list:
-    """The ops of ``broadcast_with`` that the Horovod ``broadcast`` op must run first: the
-    one of the variable it broadcasts (read by a ReadVariableOp), if any and not in
-    ``present``. Raises DeferralError for a broadcast from another rank than 0."""
+    """The op of ``broadcast_with`` that the Horovod ``broadcast`` op must run first (that
+    of the variable it reads), unless ``present``; a DeferralError if not from rank 0."""
     source = broadcast.inputs[0].op
     if source.type != "ReadVariableOp" or source.inputs[0].name not in broadcast_with:
         return []
@@ -195,8 +179,7 @@ def _broadcast_companions(broadcast, broadcast_with: dict, present) -> list:
 
 
 def _trained_groups(graph, state, fetched_ops, fed_tensors) -> list:
-    """The groups whose stores a run of ``fetched_ops`` (op names) runs, feeding the
-    tensors ``fed_tensors`` (names)."""
+    """The groups whose stores a run of ``fetched_ops`` runs, fed ``fed_tensors``."""
     key = (frozenset(fetched_ops), frozenset(fed_tensors))
     with _lock:
         if key in state.trained_by:
@@ -248,9 +231,8 @@ def _reduce_in_background(session, group) -> None:
 
 
 def join_reductions(session=None) -> None:
-    """Lets the reductions in flight (of ``session``, else of every session) finish before
-    the session closes or Horovod shuts down: every rank runs them, and one cut short on
-    one rank would leave the others' waiting."""
+    """Lets the background runs in flight (of ``session``, else all) finish before a close
+    or Horovod's shutdown: one cut short on one rank would leave the others waiting."""
     with _lock:
         threads = [thread for owner, threads in list(_reductions.items())
                    if session is None or owner is session for thread in threads.values()]
@@ -270,9 +252,8 @@ def _after_run(session, fetched_ops, fed_tensors) -> None:
 
 
 def _install_session_hooks() -> None:
-    """Hooks TensorFlow's session (once per process): new ops get their waits before a
-    session first sees them, a run that stored deferred gradients starts their reduction
-    when it returns, and a close waits for the reductions in flight."""
+    """Hooks TensorFlow's session (once): new ops get their waits, a train run starts its
+    background run when it returns, and a close waits for those in flight."""
     from tensorflow.python.client import session as session_lib
     base = session_lib.BaseSession
     if hasattr(base.close, MARKER):
@@ -349,10 +330,9 @@ def summed_summaries(graph, counted: str) -> dict:
 
 
 def flush_op(graph=None):
-    """The op that applies every pending deferred update of ``graph`` (the default graph if
-    not given); None where nothing was deferred. Not needed: any run that uses a deferred
-    variable applies its pending update first. It makes the weights final for programs
-    that read them without TensorFlow (a variable's ``eval`` does use TensorFlow)."""
+    """The op that applies every pending update of ``graph`` (default: the default graph);
+    None where nothing was deferred. Any run that uses a deferred variable applies its
+    update first: this is for programs that read the weights without TensorFlow."""
     import tensorflow as tf
     state = _graphs.get(graph or tf.compat.v1.get_default_graph())
     return None if state is None else state.flush

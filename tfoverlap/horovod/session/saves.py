@@ -1,7 +1,6 @@
-"""Saves of a graph-mode program whose optimizer state is sharded (decoupled reduction):
-:func:`consolidate_optimizer_state`, and ``MonitoredTrainingSession`` checkpoints on rank
-0 alone, made to wait for the state gathered on every rank (:func:`install_session_saves`).
-"""
+"""Saves of a graph-mode program whose optimizer state decoupled reduction shards:
+:func:`consolidate_optimizer_state`, and ``MonitoredTrainingSession`` checkpoints on rank 0
+alone, made to wait for the state gathered on every rank."""
 from __future__ import annotations
 
 from tfoverlap.horovod.core.patching import patch, unpatched
@@ -13,22 +12,17 @@ __all__ = ["consolidate_optimizer_state", "install_session_saves"]
 
 
 def _savable(session) -> bool:
-    """Whether a checkpoint of ``session``'s graph can be written on this rank now (run
-    on this rank alone: no collective)."""
+    """Whether a checkpoint of ``session``'s graph can be written on this rank now."""
     states = sharded_states.get(session.graph)
     return not states or all(session.run([state.savable for state in states]))
 
 
 def install_session_saves() -> None:
-    """Makes the saves of ``MonitoredTrainingSession`` on rank 0 alone work with a sharded
-    optimizer state (once per process; idle for graphs without one):
-
-    - a ``CheckpointSaverHook`` save due after a train run (on a timer only that rank
-      follows) asks for a consolidation and is made after the next train run, whose
-      background run consolidates on every rank (the request rides on its first
-      all-gather);
-    - a session that closes after training, on every rank alike, consolidates before its
-      hooks end, so the final save holds the state of the last step."""
+    """Makes ``MonitoredTrainingSession``'s saves on rank 0 alone work with a sharded state
+    (once; idle for graphs without one): a ``CheckpointSaverHook`` save asks for a
+    consolidation and is made after the next train run, whose background run consolidates
+    on every rank; a session that closes after training consolidates before its hooks end,
+    so the final save holds the last step's state."""
     from tensorflow.python.training import basic_session_run_hooks, monitored_session
     saver_hook = basic_session_run_hooks.CheckpointSaverHook
     patch(saver_hook, "_save", _postponing_saves)
@@ -39,15 +33,13 @@ def install_session_saves() -> None:
 
 
 def _request_consolidation(session) -> None:
-    """Asks for the state to be gathered: after the background run in flight, the next
-    one reads the request, and every rank gathers the state there."""
+    """Asks for the state to be gathered by the next background run, on every rank."""
     join_reductions()
     session.run([state.request for state in sharded_states[session.graph]])
 
 
 def _save_postponed(hook, session):
-    """The postponed save, where the state is whole now (None, and asked for again, where
-    it is not); its step counts as the timer's last."""
+    """The postponed save where the state is whole now (else None, asked for again)."""
     from tensorflow.python.training import basic_session_run_hooks
 
     join_reductions()                       # the background run consolidated
@@ -106,12 +98,10 @@ def _consolidating_at_close(plain_close):
 
 
 def consolidate_optimizer_state(session) -> bool:
-    """Gathers the whole optimizer state of every decoupled optimizer of ``session``'s
-    graph on every rank (collective: every rank calls it, after the same train runs), so
-    that a Saver run on one rank (rank 0, as Horovod programs do) writes it whole. Each
-    rank keeps the whole state until its next train run. Returns False where nothing is
-    decoupled (nothing to do). A save needs it only after a train run: a checkpoint
-    restored, or broadcast from rank 0, is held whole already."""
+    """Gathers the whole optimizer state of ``session``'s decoupled optimizers on every
+    rank, kept until its next train run, so that a Saver on one rank writes it whole
+    (collective: every rank calls it, after the same train runs). False where nothing is
+    decoupled. A restored or broadcast state is held whole already."""
     states = sharded_states.get(session.graph, [])
     if states:
         session.run([state.consolidate for state in states])

@@ -1,6 +1,6 @@
-"""The sharded optimizer state of graph-mode decoupled reduction, seen from outside as
-whole slots: by a Saver (:class:`ShardedState`), by an object-based checkpoint and the
-optimizer's ``get_slot`` (:func:`expose_whole_slots`), and by Horovod's broadcast."""
+"""The sharded optimizer state of graph-mode decoupled reduction, seen as whole slots by a
+Saver (:class:`ShardedState`), an object-based checkpoint and ``get_slot``
+(:func:`expose_whole_slots`), and Horovod's broadcast."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,6 @@ __all__ = ["ShardedState", "sharded_states", "expose_whole_slots", "whole_slot_c
 sharded_states = weakref.WeakKeyDictionary()    # graph -> its ShardedStates
 _exposed = weakref.WeakKeyDictionary()   # optimizer -> (slot key, slot name) -> WholeSlot
 
-
 CONSOLIDATE_FIRST = (
     "tfoverlap: decouple: the optimizer state is sharded across the ranks, and this rank "
     "holds only its shard: run tfoverlap.horovod.consolidate_optimizer_state(session) on "
@@ -22,19 +21,11 @@ CONSOLIDATE_FIRST = (
 
 
 class ShardedState:
-    """The optimizer slots of the shards, seen from outside as whole slots.
-
-    Each rank's slot variables hold its shard of every bucket. They are left out of the
-    global variables (a Saver would write each rank's shard, a broadcast would copy rank
-    0's shard to every rank) and initialized when first used. What a checkpoint or a
-    broadcast sees instead is each variable's whole slot under the name the optimizer
-    would have given it without decoupling (``dense/kernel/Momentum``), kept in a *whole*
-    buffer per variable and slot wherever this rank has it: after a restore, a
-    consolidation or a broadcast, until the next train run changes the shards.
-
-    ``wanted``: the queue that holds this rank's request for a consolidation (``request``
-    puts one in; the background run after the next train run consolidates on every rank
-    where any rank asked). ``savable``: whether a checkpoint can be written now."""
+    """The optimizer slots of the shards, seen from outside as whole slots, each kept in a
+    *whole* buffer where this rank has it (docs/architecture.md, "Graph mode, decoupled
+    reduction"). ``wanted``: this rank's request for a consolidation (``request`` puts
+    one; the next background run consolidates on every rank where any asked).
+    ``savable``: whether a checkpoint can be written now."""
 
     def __init__(self, optimizer, variables, layouts, shard_variables, rank, process_set,
                  wanted):
@@ -100,8 +91,8 @@ class ShardedState:
                        lambda: tf.constant(False), initialize, name="ensure").op
 
     def ensure_initialized(self, bucket=None) -> list:
-        """The ops that give the shard slots (of ``bucket``, else all) their zeros if they
-        have no value yet; each runs once per run, before anything else uses the slot."""
+        """The ops that give the shard slots (of ``bucket``, else all) their zeros where
+        they have no value yet, before anything else uses them in a run."""
         return [op for b, ops in enumerate(self._ensured) if bucket in (None, b)
                 for op in ops]
 
@@ -174,28 +165,23 @@ class ShardedState:
 
     def _consolidation(self) -> list:
         """The ops that all-gather every slot shard into the whole buffers (collective)."""
-        keeps = []
-        for b, bucket in enumerate(self.slots):
-            if not bucket:
-                continue
-            for position, flat in enumerate(self._gathered_slots(b)):
-                for i, value in self.layouts[b].split(flat):
-                    keeps.append(self.keep_whole(i, position, value))
-        return keeps
+        return [self.keep_whole(i, position, value)
+                for b, bucket in enumerate(self.slots) if bucket
+                for position, flat in enumerate(self._gathered_slots(b))
+                for i, value in self.layouts[b].split(flat)]
 
     def consolidate_for_save(self):
-        """A consolidation that rank 0 asked for, then this rank's request (if any) taken
-        off: a conditional branch of the background run."""
+        """A consolidation some rank asked for, then this rank's request (if any) taken off:
+        a conditional branch of the background run."""
         import tensorflow as tf
         with tf.control_dependencies(self._consolidation()):
             return tf.cond(self._wanted.size() > 0, lambda: _after(self._wanted.dequeue()),
                            lambda: tf.constant(True))
 
     def _build_broadcast(self):
-        """Horovod's broadcast of the variables from rank 0, for their slots: rank 0's
-        whole slots where it has them (a restore on rank 0 alone), else the ranks' shards
-        all-gathered (the state every rank shares). Every rank then holds its shard of
-        that, and the whole. Collective: run with the broadcast of the variables."""
+        """What Horovod's broadcast of the variables from rank 0 runs first, for the slots:
+        rank 0's whole slots where it has them, else the shards all-gathered; every rank
+        then holds its shard of that, and the whole (collective)."""
         import horovod.tensorflow as hvd
         import tensorflow as tf
         keys = sorted(self.whole)
@@ -254,9 +240,8 @@ def whole_slot_class():
     from tensorflow.python.trackable import base as trackable
 
     class WholeSlot(trackable.Trackable):
-        """An object-based checkpoint's (``tf.train.Checkpoint``) view of one variable's
-        slot, whole: what the optimizer's ``get_slot`` gives for a decoupled variable, saved
-        and restored as :class:`ShardedState`'s Saver view is."""
+        """An object-based checkpoint's view of one variable's whole slot (what ``get_slot``
+        gives for a decoupled variable), saved and restored as the Saver's view is."""
 
         def __init__(self, state, bucket, pair, position, name):
             self._state, self._at = state, (bucket, pair, position)
@@ -281,10 +266,9 @@ def _slot_key(variable):
 
 
 def expose_whole_slots(optimizer, whole_slots) -> None:
-    """Makes ``optimizer.get_slot(variable, name)`` give a decoupled variable's whole slot
-    (``whole_slots``: (variable, slot name, WholeSlot)), which is what object-based
-    checkpoints save and restore, and restores into it what a checkpoint read before the
-    step was built left pending."""
+    """Makes ``optimizer.get_slot`` give a decoupled variable's whole slot (``whole_slots``:
+    (variable, slot name, WholeSlot)), which object-based checkpoints save and restore,
+    restoring into it what a checkpoint read before the step was built left pending."""
     exposed = _exposed.get(optimizer)
     if exposed is None:
         exposed = _exposed[optimizer] = {}
