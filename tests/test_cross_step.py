@@ -212,9 +212,8 @@ def test_a_cross_step_setting_other_than_true_false_or_auto_is_named(value):
 # Keras model.fit (tests/jobs/keras_cross_step.py): the pending state lives inside one call
 # of the train function (steps_per_execution=4) and is drained before it returns.
 KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_cross_step.py")
-KERAS_EXACT = ["sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
-               "schedule", "validation", "checkpoint", "embedding", "embedding_dense",
-               "input_runs_out"]
+KERAS_EXACT = ["validation/sgd", "schedule", "checkpoint/adamw", "input_runs_out/adam",
+               "embedding/legacy_momentum", "embedding_dense/legacy_adam"]
 
 
 @pytest.fixture(scope="module")
@@ -229,10 +228,12 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
     """Something was deferred, and what user code sees is horovod.tensorflow.keras's, bit
     for bit: every loss a callback got, the weights a callback read after each call, the
     history (with validation losses), the checkpoint written after the first epoch and
-    restored into a new model, the final weights and the optimizer's variables:
-    - sgd, momentum, adam, adamw: Keras' optimizers (Adam's step count, AdamW's decay);
-    - legacy_momentum, legacy_adam: tf.keras.optimizers.legacy's;
-    - schedule: an exponentially decayed rate (each update at its own step's rate);
+    restored into a new model, the final weights and the optimizer's variables. Each
+    pattern is "what the program does/its optimizer", so that every optimizer is tried
+    once: Keras' SGD, Adam (its step count) and AdamW (its decay), the legacy SGD with
+    momentum and Adam, and:
+    - schedule: SGD with momentum at an exponentially decayed rate (each update at its
+      own step's rate); its deferred chunks' reductions are chained, one request each;
     - validation: validation_data, and rank 0 alone evaluating after each epoch (no
       collective: exact values, no hang);
     - checkpoint: a tf.train.Checkpoint of model and optimizer after epoch 1, restored in
@@ -245,6 +246,7 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
       call, after 2 of its 4 steps, and Keras ends the training there. The last step's
       deferred update is applied, once (its reductions wait for the next step's input,
       so a step without input leaves it whole for the drain)."""
+    feature = pattern.split("/")[0]
     for rank, records in enumerate(keras_patterns):
         plain, deferred = records[pattern]["horovod"], records[pattern]["tfoverlap"]
         assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)
@@ -253,7 +255,7 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
         assert decision["drains"] >= 1 and decision["drain_ms"] > 0, decision
         for key in ("losses", "seen", "history", "checkpoint", "weights", "optimizer",
                     "rank0_evaluate"):
-            if key == "optimizer" and pattern == "input_runs_out":
+            if key == "optimizer" and feature == "input_runs_out":
                 # Keras' own step counter counts the step that found no input (its
                 # increment waits for nothing) where deferral's counts the updates.
                 assert deferred[key][1:] == plain[key][1:], rank
@@ -261,7 +263,7 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
                 continue
             assert deferred.get(key) == plain.get(key), (rank, key)
         assert deferred["warnings"] == [], (rank, deferred["warnings"])
-    if pattern == "momentum":
+    if pattern == "schedule":
         # Chunk by chunk, one request each: each deferred chunk's reduction waits for
         # the one before it, and none waits for an update.
         for records in keras_patterns:
@@ -269,15 +271,15 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
             assert reductions["reductions"] >= 2, reductions
             assert reductions["chained"] and not reductions["wait_for_updates"], reductions
             assert reductions["after_input"], reductions
-    if pattern == "validation":
-        assert len(keras_patterns[0]["validation"]["tfoverlap"]["rank0_evaluate"]) == 2
-    if pattern == "checkpoint":
-        assert keras_patterns[0]["checkpoint"]["tfoverlap"]["checkpoint"]
-    if pattern.startswith("embedding"):
+    if feature == "validation":
+        assert len(keras_patterns[0][pattern]["tfoverlap"]["rank0_evaluate"]) == 2
+    if feature == "checkpoint":
+        assert keras_patterns[0][pattern]["tfoverlap"]["checkpoint"]
+    if feature.startswith("embedding"):
         for records in keras_patterns:
             names = records[pattern]["tfoverlap"]["deferred_names"]
             assert any(name.startswith("embedding") for name in names) == (
-                pattern == "embedding_dense"), names
+                feature == "embedding_dense"), names
 
 
 def test_keras_fit_lets_the_plan_decide_by_default_and_stays_exact(keras_patterns):
@@ -317,8 +319,8 @@ def test_keras_fit_outside_the_contract_defers_nothing_says_why_and_trains_exact
 # loop inside one tf.function; the pending state lives inside one call and is drained
 # after the loop.
 TAPE_JOB = os.path.join(os.path.dirname(__file__), "jobs", "tape_cross_step.py")
-TAPE_EXACT = ["sgd", "momentum", "adam", "adamw", "legacy_adam", "schedule", "iterator",
-              "input_runs_out", "between_calls", "checkpoint"]
+TAPE_EXACT = ["between_calls/sgd", "schedule", "iterator/legacy_adam", "input_runs_out/adam",
+              "checkpoint/adamw"]
 
 
 @pytest.fixture(scope="module")
@@ -332,10 +334,11 @@ def test_a_tape_loop_defers_and_every_value_checkpoint_and_weight_is_horovods(ta
                                                                              pattern):
     """Something was deferred in the loop's step, and what the program sees is
     horovod.tensorflow's, bit for bit: the losses of each call, the weights read after
-    each call, the final weights and the optimizer's variables:
-    - sgd, momentum, adam, adamw, legacy_adam: Keras' optimizers (Adam's step count,
-      AdamW's decay), new and legacy;
-    - schedule: an exponentially decayed rate (each update at its own step's rate);
+    each call, the final weights and the optimizer's variables. Each pattern is "what the
+    program does/its optimizer", so that every optimizer is tried once: Keras' SGD, Adam
+    (its step count), AdamW (its decay) and the legacy Adam, and:
+    - schedule: SGD with momentum at an exponentially decayed rate (each update at its
+      own step's rate);
     - iterator: the loop takes its batches with next() from a tf.data iterator;
     - input_runs_out: that iterator runs out inside the last call, after 2 of its steps,
       and the program catches the OutOfRangeError: the last step's deferred update is
@@ -345,6 +348,7 @@ def test_a_tape_loop_defers_and_every_value_checkpoint_and_weight_is_horovods(ta
       exact values, no hang);
     - checkpoint: a tf.train.Checkpoint of model and optimizer after the first call,
       restored in a new model and optimizer that train the second call."""
+    feature = pattern.split("/")[0]
     for rank, records in enumerate(tape_patterns):
         plain, deferred = records[pattern]["horovod"], records[pattern]["tfoverlap"]
         assert "error" not in plain and "error" not in deferred, (rank, plain, deferred)
@@ -353,19 +357,19 @@ def test_a_tape_loop_defers_and_every_value_checkpoint_and_weight_is_horovods(ta
                                  for d in decisions), decisions
         # One decision per model and optimizer, however often TensorFlow traces the step
         # (tfoverlap run's summary counts them).
-        assert len(decisions) == (2 if pattern == "checkpoint" else 1), decisions
+        assert len(decisions) == (2 if feature == "checkpoint" else 1), decisions
         for key in ("losses", "seen", "checkpoint", "rank0_evaluate", "weights",
                     "optimizer"):
-            if key == "optimizer" and pattern == "input_runs_out":
+            if key == "optimizer" and feature == "input_runs_out":
                 assert deferred[key][1:] == plain[key][1:], rank
                 assert deferred[key][0] == [deferred["batches"]], rank
                 continue
             assert deferred.get(key) == plain.get(key), (rank, key)
         assert deferred["warnings"] == [], (rank, deferred["warnings"])
-    if pattern == "between_calls":
-        assert len(tape_patterns[0]["between_calls"]["tfoverlap"]["rank0_evaluate"]) == 2
-    if pattern == "checkpoint":
-        assert tape_patterns[0]["checkpoint"]["tfoverlap"]["checkpoint"]
+    if feature == "between_calls":
+        assert len(tape_patterns[0][pattern]["tfoverlap"]["rank0_evaluate"]) == 2
+    if feature == "checkpoint":
+        assert tape_patterns[0][pattern]["tfoverlap"]["checkpoint"]
 
 
 @pytest.mark.parametrize("pattern, reason", [

@@ -145,12 +145,14 @@ def test_the_cli_shows_the_decoupled_plan_beside_the_others(chain_graph, capsys)
     assert [row.split()[0] for row in rows] == ["default", "caramel", "decoupled"]
 
 
-def _job_records(directory, ranks: int, steps: int, runs=()) -> list[dict]:
-    """Each rank's record of every model, optimizer and variant of the job (``runs``
-    alone, where given)."""
+def _job_records(directory, ranks: int, steps: int, runs=(), checkpointed=()) -> list[dict]:
+    """Each rank's record of every model, optimizer and variant of the job (``runs`` and
+    ``checkpointed`` alone, where given)."""
     env = {"DECOUPLED_RECORDS": str(directory), "DECOUPLED_STEPS": str(steps)}
     if runs:
         env["DECOUPLED_RUNS"] = ",".join(runs)
+    if checkpointed:
+        env["DECOUPLED_CHECKPOINTED"] = ",".join(checkpointed)
     with EmulatedNetwork(ranks, loopback=True) as network:
         result = run_horovod(network, ranks, [sys.executable, JOB], controller="gloo",
                              timeout=600, env=env)
@@ -164,8 +166,7 @@ def records(tmp_path_factory):
     return _job_records(tmp_path_factory.mktemp("decoupled_records"), 2, STEPS)
 
 
-@pytest.mark.parametrize("run", ["chain/sgd", "chain/momentum", "chain/adam",
-                                 "convnet/sgd", "convnet/momentum", "convnet/adam"])
+@pytest.mark.parametrize("run", ["chain/sgd", "chain/momentum", "convnet/adam"])
 def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_state(
         records, run):
     """20 steps: every loss, every validation loss (on every rank, and on rank 0 alone,
@@ -192,9 +193,10 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
     another order than Horovod's ring: 10 steps stay within a few float32 ulps of plain
     Horovod (measured: losses 2.1e-7 relative, weights 8e-7), each rank holds a quarter
     of the optimizer state, and 5 steps on from a checkpoint written half way (with or
-    without decouple) stay as close to plain Horovod trained straight."""
-    runs = ("chain/sgd", "chain/momentum", "convnet/adam")  # both models, every slot kind
-    for whole in _job_records(tmp_path, 4, 10, runs):
+    without decouple, by a Saver, a MonitoredTrainingSession and tf.train.Checkpoint)
+    stay as close to plain Horovod trained straight."""
+    runs = ("chain/momentum", "convnet/adam")  # both models, one slot and two
+    for whole in _job_records(tmp_path, 4, 10, runs, checkpointed=["convnet/adam"]):
         record = whole["records"]
         for run in runs:
             plain, decoupled = record[run]["horovod"], record[run]["decoupled"]
@@ -206,12 +208,12 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
             slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
             assert decoupled["optimizer_bytes"] <= (plain["optimizer_bytes"] / 4
                                                     + 3 * 4 * buckets * slots)
-        for run in [*CHECKPOINTED, "convnet/adam/object"]:   # a quarter of a slot a rank
+        for run in ["convnet/adam", "convnet/adam/object"]:   # a quarter of a slot a rank
             saved = whole["checkpoints"][run]
             for continued in _CONTINUED:
                 np.testing.assert_allclose(saved[continued][1]["losses"],
                                            saved["straight"]["losses"][-5:], rtol=2e-6)
-        saved = whole["checkpoints"]["chain/momentum/monitored"]
+        saved = whole["checkpoints"]["convnet/adam/monitored"]
         continued = saved["continued"]["losses"]
         np.testing.assert_allclose(continued, saved["straight"]["losses"][-len(continued):],
                                    rtol=2e-6)

@@ -7,8 +7,9 @@ loss, and rank 0 alone another one (neither may start a collective).
 Also: gradients clipped after the reduction (refused), decouple="auto" below min_gain
 (declined, cross-step overlap instead), and checkpoints written and read half way, with
 and without decouple, against plain Horovod trained straight. Writes one JSON record per
-rank (to $DECOUPLED_RECORDS/rank-N.json; $DECOUPLED_RUNS, comma-separated model/optimizer,
-trains those alone): per model, optimizer and variant, the losses,
+rank (to $DECOUPLED_RECORDS/rank-N.json; $DECOUPLED_RUNS and $DECOUPLED_CHECKPOINTED,
+comma-separated model/optimizer, train and checkpoint those alone): per model, optimizer
+and variant, the losses,
 the validation values, the final weights, the bytes of optimizer state on this rank, what
 was decoupled and tfoverlap's warnings; per checkpointed run, each segment's losses and
 final weights, what the checkpoint holds and what a save refused.
@@ -33,7 +34,9 @@ from tfoverlap.horovod.measure import measure_halves  # noqa: E402
 STEPS = int(os.environ.get("DECOUPLED_STEPS", "100"))
 # A slow link and slow compute: the plan has a backward pass to overlap.
 OPTIONS = dict(bandwidth="100Mbit", latency=50e-6, flops=2.5e8, force=True)
-OPTIMIZERS = ("sgd", "momentum", "adam")
+#: (model, optimizer) runs: each optimizer once (SGD, Momentum on a decayed rate, Adam),
+#: both models
+RUNS = (("chain", "sgd"), ("chain", "momentum"), ("convnet", "adam"))
 #: (model, optimizer) runs whose gradients are clipped by their global norm after the
 #: reduction: outside the contract, refused in one warning.
 CLIPPED = (("chain", "momentum"),)
@@ -267,7 +270,10 @@ def checkpoints(directory, inputs, labels) -> dict:
     decoupled restored on every rank. Also a save on rank 0 without consolidating, and a
     save before the first step."""
     half, runs = min(CHECKPOINT_STEPS, STEPS // 2), {}
-    for model, name in CHECKPOINTED:
+    chosen = os.environ.get("DECOUPLED_CHECKPOINTED")
+    checkpointed = ([tuple(run.split("/")) for run in chosen.split(",")] if chosen
+                    else CHECKPOINTED)
+    for model, name in checkpointed:
         path = os.path.join(directory, f"{model}-{name}")
         entry = {"straight": segment(model, name, "horovod", inputs, labels, 0, 2 * half),
                  "initial": segment(model, name, "decoupled", inputs, labels, 0, 0,
@@ -283,7 +289,7 @@ def checkpoints(directory, inputs, labels) -> dict:
         entry["decoupled_then_decoupled"] = [entry["decoupled_then_plain"][0], segment(
             model, name, "decoupled", inputs, labels, half, half, restore=path + "-decoupled")]
         runs[f"{model}/{name}"] = entry
-    for model, name in CHECKPOINTED[:1]:
+    for model, name in checkpointed[:1]:
         path = os.path.join(directory, f"{model}-{name}-monitored")
         # Every 6 of 20 steps: the third save with decouple, postponed, falls on the last.
         entry = {variant: monitored(model, name, variant, inputs, labels, f"{path}-{variant}",
@@ -296,7 +302,7 @@ def checkpoints(directory, inputs, labels) -> dict:
                                      2 * half - step, restore=middle)
         entry["straight"] = runs[f"{model}/{name}"]["straight"]
         runs[f"{model}/{name}/monitored"] = entry
-    for model, name in OBJECT_CHECKPOINTED:
+    for model, name in set(OBJECT_CHECKPOINTED) & set(checkpointed):
         path = os.path.join(directory, f"{model}-{name}-object")
         straight = runs[f"{model}/{name}"]["straight"]
         decoupled = segment(model, name, "decoupled", inputs, labels, 0, half,
@@ -329,7 +335,7 @@ def main():
     if chosen:          # these runs alone, without the refused and declined ones
         runs = [(*run.split("/"), False, "decoupled") for run in chosen.split(",")]
     else:
-        runs = [(model, name, False, "decoupled") for model in MODELS for name in OPTIMIZERS]
+        runs = [(model, name, False, "decoupled") for model, name in RUNS]
         runs += [(model, name, True, "decoupled") for model, name in CLIPPED]
         runs += [("chain", "momentum", False, "declined")]
     for model, optimizer_name, clip, other in runs:

@@ -24,12 +24,16 @@ import tfoverlap.horovod.keras as tfo_keras  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
 from keras_optimizers import optimizer_for  # noqa: E402 - this directory
 
-PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_momentum", "legacy_adam",
-            "schedule", "validation", "checkpoint", "embedding", "embedding_dense",
-            "one_step_per_call", "clipnorm", "auto", "input_runs_out")
+#: "what the program does/its optimizer" (the optimizer alone where the name is one): each
+#: optimizer is tried once, beside one of the program's features. Not AdamW where the input
+#: runs out: its decay does not wait for the gradient, and plain TensorFlow applies it to
+#: some variables in the step that found no input, before the error ends the step.
+PATTERNS = ("validation/sgd", "schedule", "checkpoint/adamw", "input_runs_out/adam",
+            "embedding/legacy_momentum", "embedding_dense/legacy_adam",
+            "one_step_per_call", "clipnorm", "auto")
 # A slow link and slow compute: the plan's ring has a tail to defer.
-OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
-WIDTHS = [64, 64, 64, 64, 64, 10]
+OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=1e7, force=True)
+WIDTHS = [64, 64, 64, 10]
 BATCH, STEPS = 32, 10
 CHECKPOINTS = os.environ.get("CROSS_STEP_CHECKPOINTS") or tempfile.mkdtemp()
 
@@ -132,9 +136,12 @@ def train(pattern, variant):
 
 
 def _train(pattern, variant, distributed):
+    pattern, _, optimizer_name = pattern.partition("/")
+    optimizer_name = optimizer_name or pattern
     model = model_for(pattern)
     model.compile(optimizer=distributed.DistributedOptimizer(
-                      optimizer_for(pattern), sparse_as_dense=pattern == "embedding_dense"),
+                      optimizer_for(optimizer_name),
+                      sparse_as_dense=pattern == "embedding_dense"),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   # (rank 0 alone evaluating a model with compiled metrics hangs
                   # horovod.tensorflow.keras itself: the validation pattern has none)
@@ -172,7 +179,8 @@ def _train(pattern, variant, distributed):
                                 for name in sorted(reader.get_variable_to_shape_map())
                                 if not name.startswith("_CHECKPOINTABLE")}
         model = model_for(pattern)
-        model.compile(optimizer=distributed.DistributedOptimizer(optimizer_for(pattern)),
+        model.compile(optimizer=distributed.DistributedOptimizer(
+                          optimizer_for(optimizer_name)),
                       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       steps_per_execution=4)
         model.optimizer.build(model.trainable_variables)
@@ -194,7 +202,7 @@ def _train(pattern, variant, distributed):
     record["optimizer"] = [np.asarray(v).ravel()[:16].tolist()
                            for v in model.optimizer.variables]
     record["decision"] = tfo_keras.cross_step_decision(model) if variant == "tfoverlap" else None
-    if variant == "tfoverlap" and pattern == "momentum":
+    if variant == "tfoverlap" and pattern == "schedule":
         record["deferred_reductions"] = deferred_reductions(model)
     if variant == "tfoverlap" and pattern.startswith("embedding"):
         from tfoverlap.horovod.adapters.keras_fit import _deferrals

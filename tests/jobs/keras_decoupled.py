@@ -33,12 +33,11 @@ from job_logging import Warnings  # noqa: E402 - this directory
 from tape_decoupled import (OPTIONS, SHARED, model_for, optimizer_for,  # noqa: E402
                             slots_of, state_bytes)
 
-RUNS = ("chain/momentum", "chain/adam", "convnet/adam", "chain/legacy_adam",
-        "chain/adam/input_runs_out")
+RUNS = ("chain/momentum", "convnet/adam", "chain/legacy_adam", "chain/adam/input_runs_out")
 BATCH, STEPS_PER_EPOCH, EPOCHS, PER_CALL = 16, 50, 2, 5
 RUNS_OUT_STEPS_PER_EPOCH = 28
 #: runs whose .keras file (plain Horovod's) a new model loads into its built optimizer
-RESUMED = ("chain/adam", "convnet/adam")
+RESUMED = ("convnet/adam",)
 
 hvd_keras.init()
 RANK = hvd_keras.rank()

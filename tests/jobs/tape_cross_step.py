@@ -23,12 +23,16 @@ from tfoverlap.horovod.core.decisions import recent_decisions  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
 from keras_optimizers import optimizer_for  # noqa: E402 - this directory
 
-PATTERNS = ("sgd", "momentum", "adam", "adamw", "legacy_adam", "schedule", "iterator",
-            "input_runs_out", "between_calls", "checkpoint", "one_step_per_call",
-            "clip_global_norm", "late_read", "auto")
+#: "what the program does/its optimizer" (the optimizer alone where the name is one): each
+#: optimizer is tried once, beside one of the program's features. Not AdamW where the input
+#: runs out: its decay does not wait for the gradient, and plain TensorFlow applies it to
+#: some variables in the step that found no input, before the error ends the step.
+PATTERNS = ("between_calls/sgd", "schedule", "iterator/legacy_adam", "input_runs_out/adam",
+            "checkpoint/adamw", "one_step_per_call", "clip_global_norm", "late_read",
+            "auto")
 # A slow link and slow compute: the plan's ring has a tail to defer.
-OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
-WIDTHS = [64, 64, 64, 64, 64, 10]
+OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=1e7, force=True)
+WIDTHS = [64, 64, 64, 10]
 BATCH, STEPS, CALLS = 32, 4, 2
 CHECKPOINTS = os.environ.get("CROSS_STEP_CHECKPOINTS") or tempfile.mkdtemp()
 
@@ -99,9 +103,11 @@ def weights_sum(model):
 
 
 def train(pattern, variant):
+    pattern, _, optimizer_name = pattern.partition("/")
+    optimizer_name = optimizer_name or pattern
     wrapper = (tfo_hvd.DistributedGradientTape if variant == "tfoverlap"
                else hvd.DistributedGradientTape)
-    model, optimizer = model_for(), optimizer_for(pattern)
+    model, optimizer = model_for(), optimizer_for(optimizer_name)
     hvd.broadcast_variables(model.variables, root_rank=0)
     record = {"losses": [], "seen": []}
     function = train_function(pattern, model, optimizer, wrapper)
@@ -125,7 +131,7 @@ def train(pattern, variant):
             record["checkpoint"] = {name: reader.get_tensor(name).ravel()[:6].tolist()
                                     for name in sorted(reader.get_variable_to_shape_map())
                                     if not name.startswith("_CHECKPOINTABLE")}
-            model, optimizer = model_for(), optimizer_for(pattern)
+            model, optimizer = model_for(), optimizer_for(optimizer_name)
             optimizer.build(model.trainable_variables)
             tf.train.Checkpoint(model=model, optimizer=optimizer).read(written)
             hvd.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
