@@ -74,14 +74,25 @@ def test_small_benchmark_end_to_end(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (namespaces, tc)")
-@pytest.mark.slow
-def test_a_colocated_benchmark_runs_a_ps_task_on_every_workers_host(tmp_path):
-    config = ps.Configuration("seq8", training=True, batch=64, bandwidth=125e6, num_ps=2,
-                              num_workers=2, layout="colocated", width=256)
-    result = ps.run_configuration(config, ("default", "tic"), rounds=1, steps=1, traces=1,
-                                  workdir=str(tmp_path / "work"), timeout=300)
+@pytest.fixture(scope="module")
+def colocated_emulated_run(tmp_path_factory):
+    """One PS job for two tests: a colocated layout on emulated V100s with a fixed
+    dilation (each a configuration of its own before; the one run checks both)."""
+    if os.geteuid() != 0:
+        pytest.skip("the shaped link needs root (namespaces, tc)")
+    config = ps.Configuration("seq8", training=True, batch=64, bandwidth=1.25e9, num_ps=2,
+                              num_workers=2, layout="colocated", width=256, emulate="v100",
+                              dilation=10)
+    result = ps.run_configuration(config, ("default", "tic"), rounds=1, steps=2, traces=1,
+                                  workdir=str(tmp_path_factory.mktemp("colocated") / "work"),
+                                  timeout=300)
     assert leftovers() == []
+    return result
+
+
+@pytest.mark.slow
+def test_a_colocated_benchmark_runs_a_ps_task_on_every_workers_host(colocated_emulated_run):
+    result = colocated_emulated_run
     assert result["network"].startswith("2 network namespaces")
     # Every worker reads all 8 kernels, 4 from its own host's PS task and 4 over the link.
     assert result["passes"]["tic"]["transfers"] == 8
@@ -180,11 +191,20 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
     # The transformer, not a smaller model: with ResNet-20 (30-40 s less) the caramel
     # variant's in-step bound exceeded its step in 2 of 6 runs on a busy host (146 ms
     # against a step of 88 ms once: its ring was busy before the first gradient it
-    # recorded); the transformer's steps are 600 ms.
+    # recorded). 4 of its 12 layers at batch 8 (the worker's model otherwise the
+    # benchmark's): a third of the graph to build, and steps as long as the 12 layers' at
+    # batch 2 (300-550 ms on a busy host), with more of the ring idle after the first
+    # gradient (150-250 ms against 30-130 ms; 8 runs and 4 runs).
+    worker = ("import functools, sys\n"
+              "from tfoverlap.testbed import models\n"
+              "models.transformer_model = functools.partial(models.transformer_model,"
+              " layers=4)\n"
+              "from tfoverlap.bench import allreduce_worker\n"
+              "raise SystemExit(allreduce_worker.main(sys.argv[1:]))\n")
     with EmulatedNetwork(2, loopback=True) as network:
         result = run_horovod(network, 2, [
-            sys.executable, "-m", "tfoverlap.bench.allreduce_worker", "--model", "transformer",
-            "--batch", "2", "--variants", "horovod,caramel,caramel_decoupled", "--rounds", "1",
+            sys.executable, "-c", worker, "--model", "transformer",
+            "--batch", "8", "--variants", "horovod,caramel,caramel_decoupled", "--rounds", "1",
             "--steps", "1",
             "--warmup", "1", "--trace-timeline", timeline, "--traced-steps", "2"],
             controller="gloo", timeout=400, env={"HOROVOD_TIMELINE": "DYNAMIC"})
@@ -194,6 +214,7 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
     variants = {"horovod", "caramel", "caramel_decoupled"}
     assert set(record["times"]) == variants
     assert all(len(times) == 1 for times in record["times"].values())
+    assert record["tensors"] == 1 + 4 * 16 + 2      # the 4-layer transformer's
     # The step's plan holds every gradient but those deferred to the next step (cross-step
     # overlap is on by default where the plan predicts a gain).
     planned = record["caramel"]["caramel"]
@@ -450,17 +471,14 @@ def test_horovod_rows_carry_the_step_caramel_predicted_for_each_variant(tmp_path
     assert "NaN" not in text and json.loads(text)[0]["comm_over_comp"] is None
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (namespaces, tc)")
 @pytest.mark.slow
-def test_an_emulated_ps_job_of_two_workers_trains_and_reports_in_emulated_time(tmp_path):
+def test_an_emulated_ps_job_of_two_workers_trains_and_reports_in_emulated_time(
+        colocated_emulated_run):
     """Emulated V100s with a fixed dilation: every variant (the computation-only reference
     too) runs emulated kernels, the link is shaped to 1/K of its emulated rate, and the
-    rows are in emulated seconds, with the workers' CPU share and the host's busy share."""
-    config = ps.Configuration("resnet20", training=True, batch=32, bandwidth=1.25e9,
-                              num_ps=1, num_workers=2, emulate="v100", dilation=10)
-    result = ps.run_configuration(config, ("default", "tic"), rounds=1, steps=2, traces=1,
-                                  workdir=str(tmp_path / "work"), timeout=300)
-    assert leftovers() == []
+    rows are in emulated seconds, with the workers' CPU share and the host's busy share.
+    (The colocated run above: the emulation does not depend on the layout.)"""
+    result = colocated_emulated_run
     assert result["dilation"] == 10 and "1 Gbit/s tbf" in result["network"]
     rows = ps.summarize(result)
     for row, wall in zip(rows, (result["times"]["default"], result["times"]["tic"])):
@@ -477,18 +495,26 @@ def test_an_emulated_horovod_job_of_two_ranks_trains_with_emulated_kernels():
     import sys
     from tfoverlap.testbed.horovod_launch import run_horovod
     from tfoverlap.testbed.network import EmulatedNetwork
+    # The CIFAR ResNet at depth 8 (one block a stage), not 20: half the graph to build,
+    # and no less room between a step's CPU and its wall time (5 ms of CPU against 21 ms).
+    worker = ("import sys\n"
+              "from tfoverlap.testbed import models\n"
+              "models.CIFAR_MODELS = (*models.CIFAR_MODELS, 'resnet8')\n"
+              "from tfoverlap.bench import allreduce_worker\n"
+              "raise SystemExit(allreduce_worker.main(sys.argv[1:]))\n")
     with EmulatedNetwork(2, loopback=True) as network:
         result = run_horovod(network, 2, [
-            sys.executable, "-m", "tfoverlap.bench.allreduce_worker", "--model", "resnet20",
+            sys.executable, "-c", worker, "--model", "resnet8",
             "--batch", "32", "--variants", "horovod,caramel_forced,compute_only",
             "--rounds", "1", "--steps", "2", "--warmup", "1", "--emulate", "v100",
             # Kernels long enough that the CPU a step costs stays well below its wall
-            # time on a busy host (compute_only: 16 ms of CPU against 49 ms; at 10, 7 ms
-            # against 14 ms, and once 16 ms of CPU).
+            # time on a busy host (ResNet-20's compute_only: 16 ms of CPU against 49 ms;
+            # at 10, 7 ms against 14 ms, and once 16 ms of CPU).
             "--dilation", "40"], controller="gloo", timeout=400)
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
     record = json.loads(next(line for line in result.outputs[0].splitlines()
                              if line.startswith("{")))
+    assert record["model"] == "resnet8" and record["tensors"] == 29     # ResNet-20: 65
     assert set(record["times"]) == {"horovod", "caramel_forced", "compute_only"}
     assert record["caramel"]["caramel_forced"]["buckets"] >= 1
     for variant, times in record["times"].items():
@@ -588,8 +614,11 @@ def test_a_ps_strategy_benchmark_sees_the_planned_order_on_the_ps_tasks(tmp_path
     from tfoverlap.bench import ps_strategy
     config = ps.Configuration("mobilenet_v2", training=True, batch=8, bandwidth=None,
                               num_ps=2, num_workers=2, layout="colocated", image_size=32)
+    # One traced step per variant: each capture of a PS task or worker 0 takes 4 s more
+    # than its steps, and one step per PS task already shows the default far from the plan
+    # (concordance 0.36-0.69 a step; 0.47-0.55 over both tasks in 3 runs).
     result = ps_strategy.run_configuration(config, ("default", "tic_serial"), rounds=2,
-                                           steps=1, traces=2, workdir=str(tmp_path / "work"),
+                                           steps=1, traces=1, workdir=str(tmp_path / "work"),
                                            timeout=300, loopback=True)
     passes = result["passes"]["tic_serial"]
     assert passes["transfers"] > 100 and passes["ordering_edges"] > 0.95 * passes["transfers"]
@@ -602,7 +631,7 @@ def test_a_ps_strategy_benchmark_sees_the_planned_order_on_the_ps_tasks(tmp_path
     assert held["ps0"] | held["ps1"] == set(planned)
     rows = ps_strategy.summarize(result)
     assert [(row["variant"], row["api"], row["traced_steps"]) for row in rows] == [
-        ("default", "ps_strategy", 2), ("tic_serial", "ps_strategy", 2)]
+        ("default", "ps_strategy", 1), ("tic_serial", "ps_strategy", 1)]
     assert rows[1]["order_concordance"] == 1.0
     assert rows[0]["order_concordance"] < 0.9
     for row in rows:

@@ -4,6 +4,11 @@ argv: MODE (graph | tf2 | keras) STEPS VARIANT... with VARIANT one of horovod (p
 Horovod), flag (the session config / tf.function flag), dropin (tfoverlap.horovod's
 wrappers; tfoverlap.horovod.keras's in keras mode, which trains with model.fit) and
 deferred (graph mode: the drop-in with cross_step, final weights after its flush).
+Or argv: --scenarios JSON, a list of {"name", "mode", "steps", "variants", "env"}: several
+such runs one after another in this one process (one Horovod start-up for them all), each
+with its CARAMEL_TEST_* settings in "env" (over this process's environment); its records
+carry its name as "scenario". Graph mode turns eager execution off for the process, so
+graph scenarios and tf2/keras ones take a job each.
 Every rank trains the same small conv + dense model from the same initial weights on its
 own data (seeded by rank), so the losses depend on the reduction being right. Graph-mode
 runs trace every step and report the order in which the gradient producers started.
@@ -18,41 +23,59 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-mode, steps, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-if mode == "graph":
+if sys.argv[1] == "--scenarios":
+    SCENARIOS = json.loads(sys.argv[2])
+else:
+    SCENARIOS = [{"name": "", "mode": sys.argv[1], "steps": int(sys.argv[2]),
+                  "variants": sys.argv[3:], "env": {}}]
+GRAPH = {scenario["mode"] == "graph" for scenario in SCENARIOS}
+assert len(GRAPH) == 1, "graph mode and tf2/keras scenarios need a process each"
+if GRAPH.pop():
     tf.compat.v1.disable_eager_execution()
 import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap  # noqa: E402
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
+from tfoverlap.integrations.tf_function import (  # noqa: E402
+    get_function_config, set_function_config)
 
 hvd.init()
-# CARAMEL_TEST_RANK1_BANDWIDTH gives rank 1 other options than the rest (a plan mismatch).
-BANDWIDTH = os.environ.get("CARAMEL_TEST_RANK1_BANDWIDTH") if hvd.rank() == 1 else None
-# By default a fast compute estimate: communication is the bottleneck, so the backward pass
-# is ordered; a slow one (CARAMEL_TEST_FLOPS=2e8) spreads the gradients over several buckets.
-# force: these jobs check the plan Caramel enforces, even where it predicts no gain.
-# CARAMEL_TEST_CHAIN: the bucket_chain option ("finished" makes the order strict);
-# CARAMEL_TEST_BUCKET_BYTES: the bucket_bytes option.
-# CARAMEL_TEST_BANDWIDTH: the link every rank plans with (1 Gbit/s by default).
-OPTIONS = dict(bandwidth=BANDWIDTH or os.environ.get("CARAMEL_TEST_BANDWIDTH", "1Gbit"),
-               latency=50e-6, force=True,
-               flops=float(os.environ.get("CARAMEL_TEST_FLOPS", 1e11)),
-               bucket_chain=os.environ.get("CARAMEL_TEST_CHAIN", "issued"),
-               bucket_bytes=float(os.environ.get("CARAMEL_TEST_BUCKET_BYTES", 4 * 2 ** 20)))
-# CARAMEL_TEST_PROFILE_STEPS: the drop-ins plan from a profiled warm-up of that many steps.
-tfo_hvd.configure(**OPTIONS, profile_steps=int(os.environ.get("CARAMEL_TEST_PROFILE_STEPS", 0)))
-PARALLEL = os.environ.get("CARAMEL_TEST_MODEL") == "parallel"
-CONTROL_FLOW = os.environ.get("CARAMEL_TEST_MODEL") == "control_flow"
 BRANCHES = 8
-rng = np.random.default_rng(7)
-shapes = ([(16 * 16 * 3, 128)] * BRANCHES + [(128 * BRANCHES, 10)] if PARALLEL else
-          [(16 * 16 * 3, 64)] + [(64, 64)] * 3 + [(64, 10)] if CONTROL_FLOW else
-          [(3, 3, 3, 16), (3, 3, 16, 32), (8 * 8 * 32, 256), (256, 10)])
-initial = [rng.normal(0, 0.1, s).astype(np.float32) for s in shapes]
-data_rng = np.random.default_rng(100 + hvd.rank())
-images = data_rng.normal(size=(steps, 16, 16, 16, 3)).astype(np.float32)
-labels = data_rng.integers(0, 10, size=(steps, 16))
+
+
+def set_up(scenario):
+    """The scenario's options, model and data, as module globals."""
+    global OPTIONS, PARALLEL, CONTROL_FLOW, initial, images, labels, steps
+    setting = {**os.environ, **scenario.get("env", {})}
+    steps = scenario["steps"]
+    # CARAMEL_TEST_RANK1_BANDWIDTH gives rank 1 other options than the rest (a plan
+    # mismatch).
+    bandwidth = setting.get("CARAMEL_TEST_RANK1_BANDWIDTH") if hvd.rank() == 1 else None
+    # By default a fast compute estimate: communication is the bottleneck, so the backward
+    # pass is ordered; a slow one (CARAMEL_TEST_FLOPS=2e8) spreads the gradients over
+    # several buckets. force: these jobs check the plan Caramel enforces, even where it
+    # predicts no gain. CARAMEL_TEST_CHAIN: the bucket_chain option ("finished" makes the
+    # order strict); CARAMEL_TEST_BUCKET_BYTES: the bucket_bytes option.
+    # CARAMEL_TEST_BANDWIDTH: the link every rank plans with (1 Gbit/s by default).
+    OPTIONS = dict(bandwidth=bandwidth or setting.get("CARAMEL_TEST_BANDWIDTH", "1Gbit"),
+                   latency=50e-6, force=True,
+                   flops=float(setting.get("CARAMEL_TEST_FLOPS", 1e11)),
+                   bucket_chain=setting.get("CARAMEL_TEST_CHAIN", "issued"),
+                   bucket_bytes=float(setting.get("CARAMEL_TEST_BUCKET_BYTES", 4 * 2 ** 20)))
+    # CARAMEL_TEST_PROFILE_STEPS: the drop-ins plan from a profiled warm-up of that many
+    # steps.
+    tfo_hvd.configure(**OPTIONS,
+                      profile_steps=int(setting.get("CARAMEL_TEST_PROFILE_STEPS", 0)))
+    PARALLEL = setting.get("CARAMEL_TEST_MODEL") == "parallel"
+    CONTROL_FLOW = setting.get("CARAMEL_TEST_MODEL") == "control_flow"
+    rng = np.random.default_rng(7)
+    shapes = ([(16 * 16 * 3, 128)] * BRANCHES + [(128 * BRANCHES, 10)] if PARALLEL else
+              [(16 * 16 * 3, 64)] + [(64, 64)] * 3 + [(64, 10)] if CONTROL_FLOW else
+              [(3, 3, 3, 16), (3, 3, 16, 32), (8 * 8 * 32, 256), (256, 10)])
+    initial = [rng.normal(0, 0.1, s).astype(np.float32) for s in shapes]
+    data_rng = np.random.default_rng(100 + hvd.rank())
+    images = data_rng.normal(size=(steps, 16, 16, 16, 3)).astype(np.float32)
+    labels = data_rng.integers(0, 10, size=(steps, 16))
 
 
 def forward(weights, x, y, even):
@@ -77,8 +100,11 @@ def forward(weights, x, y, even):
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
 
-def caramel_summaries():
-    reports = [r for r in tfoverlap.recent_reports() if r.modified]
+def caramel_summaries(after=()):
+    """The Caramel summaries of the modified reports not in ``after`` (the process keeps
+    its latest 256 reports: a count would not do in a long job)."""
+    seen = {id(report) for report in after}
+    reports = [r for r in tfoverlap.recent_reports() if r.modified and id(r) not in seen]
     return [p.summary for r in reports for p in r.passes if p.name == "caramel"]
 
 
@@ -179,19 +205,24 @@ def train_keras(variant):
 FINAL_WEIGHTS: dict = {}
 BEFORE_FLUSH: dict = {}
 TRAIN = {"graph": train_graph, "tf2": train_tf2, "keras": train_keras}
-for variant in variants:
-    before = len(caramel_summaries())
-    losses, started = TRAIN[mode](variant)
-    new = caramel_summaries()[before:]
-    plan = new[-1] if new else None
-    # The order the planned gradient producers (or, for plain Horovod, the same ops as
-    # Caramel would order) started in, every step.
-    order = (plan or {}).get("gradient_order") or [
-        name for name in (started[0] if started else {})
-        if "_grad/MatMul_1" in name or "Conv2DBackpropFilter" in name]
-    observed = [sorted((n for n in order if n in times), key=lambda n: times[n])
-                for times in started]
-    print(json.dumps({"rank": hvd.rank(), "variant": variant, "losses": losses,
-                      "plan": plan, "observed_orders": observed,
-                      "weights": FINAL_WEIGHTS.get(variant),
-                      "before_flush": BEFORE_FLUSH.get(variant)}), flush=True)
+for scenario in SCENARIOS:
+    set_up(scenario)
+    for variant in scenario["variants"]:
+        before = tfoverlap.recent_reports()      # kept: their ids stay theirs
+        function_config = get_function_config()
+        losses, started = TRAIN[scenario["mode"]](variant)
+        set_function_config(function_config)     # the flag is the flag variant's alone
+        new = caramel_summaries(after=before)
+        plan = new[-1] if new else None
+        # The order the planned gradient producers (or, for plain Horovod, the same ops as
+        # Caramel would order) started in, every step.
+        order = (plan or {}).get("gradient_order") or [
+            name for name in (started[0] if started else {})
+            if "_grad/MatMul_1" in name or "Conv2DBackpropFilter" in name]
+        observed = [sorted((n for n in order if n in times), key=lambda n: times[n])
+                    for times in started]
+        print(json.dumps({"rank": hvd.rank(), "scenario": scenario["name"],
+                          "variant": variant, "losses": losses, "plan": plan,
+                          "observed_orders": observed,
+                          "weights": FINAL_WEIGHTS.get(variant),
+                          "before_flush": BEFORE_FLUSH.get(variant)}), flush=True)
