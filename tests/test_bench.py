@@ -192,9 +192,10 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
     # variant's in-step bound exceeded its step in 2 of 6 runs on a busy host (146 ms
     # against a step of 88 ms once: its ring was busy before the first gradient it
     # recorded). 4 of its 12 layers at batch 8 (the worker's model otherwise the
-    # benchmark's): a third of the graph to build, and steps as long as the 12 layers' at
-    # batch 2 (300-550 ms on a busy host), with more of the ring idle after the first
-    # gradient (150-250 ms against 30-130 ms; 8 runs and 4 runs).
+    # benchmark's): a third of the graph to build (the job takes half the time), steps as
+    # long as the 12 layers' at batch 2 (350-550 ms against 330-670 ms on a busy host) and
+    # more of the ring idle after the first gradient (a median of 145-195 ms against
+    # 80 ms; 8 runs of each variant against 4).
     worker = ("import functools, sys\n"
               "from tfoverlap.testbed import models\n"
               "models.transformer_model = functools.partial(models.transformer_model,"
@@ -616,7 +617,7 @@ def test_a_ps_strategy_benchmark_sees_the_planned_order_on_the_ps_tasks(tmp_path
                               num_ps=2, num_workers=2, layout="colocated", image_size=32)
     # One traced step per variant: each capture of a PS task or worker 0 takes 4 s more
     # than its steps, and one step per PS task already shows the default far from the plan
-    # (concordance 0.36-0.69 a step; 0.47-0.55 over both tasks in 3 runs).
+    # (concordance 0.36-0.69 a step; 0.46-0.55 over both tasks in 3 runs).
     result = ps_strategy.run_configuration(config, ("default", "tic_serial"), rounds=2,
                                            steps=1, traces=1, workdir=str(tmp_path / "work"),
                                            timeout=300, loopback=True)
