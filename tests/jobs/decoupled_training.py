@@ -302,7 +302,7 @@ def checkpoints(directory, inputs, labels) -> dict:
                                      2 * half - step, restore=middle)
         entry["straight"] = runs[f"{model}/{name}"]["straight"]
         runs[f"{model}/{name}/monitored"] = entry
-    for model, name in set(OBJECT_CHECKPOINTED) & set(checkpointed):
+    for model, name in [run for run in OBJECT_CHECKPOINTED if run in checkpointed]:
         path = os.path.join(directory, f"{model}-{name}-object")
         straight = runs[f"{model}/{name}"]["straight"]
         decoupled = segment(model, name, "decoupled", inputs, labels, 0, half,
