@@ -171,19 +171,80 @@ def test_cross_step_defers_the_last_ready_gradients_within_the_forward_pass_and_
                            request_seconds=0.001) == []
 
 
-def test_the_deferred_step_saves_the_deferred_ring_time_less_the_first_chunks_wait():
-    """The ring's in-step work ends earlier by the deferred ring time, not before the last
-    gradient is ready; the next forward pass first waits for the first chunk."""
-    from tfoverlap.planning.caramel import deferred_step
-    ready = [0.020 + 0.001 * i for i in range(40)]
-    plan = _plan_with(ready, finish=0.200)
-    plan.predicted_step = 0.200
-    rings = [0.001] * 40
-    assert deferred_step(plan, rings, []) == 0.200
-    # 10 ms deferred in chunks of 2 and 8 ms: 190 ms, plus chunk 0 (2 ms) and a request.
-    chunks = [[39, 38], list(range(37, 29, -1))]
-    assert deferred_step(plan, rings, chunks, 0.0005) == pytest.approx(0.1925)
-    # Never below the last gradient's readiness (59 ms) plus the wait.
-    plan.predicted_step = 0.070
-    assert deferred_step(plan, rings, [[39], list(range(38, 19, -1))], 0.0) == \
-        pytest.approx(0.059 + 0.001)
+def _chain_training_graph(layers: int = 8, width: int = 256):
+    """A TensorFlow training step of a chain of MatMuls whose gradients go through ops
+    named as Horovod's AllReduces (plain Identities, renamed in the GraphDef: the plan
+    reads only names and shapes), each into its variable's SGD update."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        weights = [tf.compat.v1.get_variable(f"w{i}", [width, width], use_resource=True)
+                   for i in range(layers)]
+        hidden = tf.ones([32, width])
+        for i, weight in enumerate(weights):
+            hidden = tf.nn.relu(tf.matmul(hidden, weight, name=f"forward{i}"))
+        gradients = tf.gradients(tf.reduce_sum(hidden), weights)
+        for i, (weight, gradient) in enumerate(zip(weights, gradients)):
+            reduced = tf.identity(gradient, name=f"allreduce{i}")
+            tf.raw_ops.ResourceApplyGradientDescent(var=weight.handle, alpha=0.01,
+                                                    delta=reduced)
+    graph_def = graph.as_graph_def(add_shapes=True)
+    for node in graph_def.node:
+        if node.name.startswith("allreduce"):
+            node.op = "HorovodAllreduce"
+    seconds = {node.name: 1e-3 for node in graph_def.node if node.op == "MatMul"}
+    return graph_def, seconds
+
+
+def test_the_next_forward_passs_need_of_each_variable_comes_from_the_graph():
+    """Each gradient's variable is first used by its layer's forward MatMul: the first
+    layer's at once, the last layer's last."""
+    from tfoverlap.planning.caramel import plan_allreduce
+    graph_def, seconds = _chain_training_graph()
+    plan = plan_allreduce(graph_def, "caramel", 8, 1e9, 1e-5, seconds, threads=1)
+    names = [plan.model.names[node] for node in plan.nodes]
+    assert names == [f"allreduce{i}" for i in reversed(range(8))]    # ready order
+    users = [{plan.model.names[u] for u in needers} for needers in plan.needers]
+    assert all(f"forward{7 - k}" in users[k] for k in range(8))
+    assert plan.needs == sorted(plan.needs, reverse=True) and plan.needs[-1] == 0.0
+    assert plan.needs[0] == pytest.approx(7e-3)       # after 7 forward MatMuls
+
+
+def test_cross_step_defers_what_the_next_forward_pass_needs_last_where_comm_bound():
+    """Bound by its reductions, the step gains most by moving the top layers' reductions
+    under the next forward pass (issued in need order, each before its layer's use),
+    more than by moving the first layers', which the forward pass waits for; bound by
+    compute, nothing is deferred; only eligible gradients are."""
+    from tfoverlap.planning.caramel import bucket_problem, plan_allreduce, plan_cross_step
+    from tfoverlap.sim.engine import simulate
+    graph_def, seconds = _chain_training_graph()
+    # A layer: 1 ms of forward compute, 2 ms of backward (on 2 threads), 4.6 ms of ring.
+    network = dict(ranks=8, bandwidth=0.1e9, latency=1e-5)
+    plan = plan_allreduce(graph_def, "caramel", **network, op_seconds=seconds, threads=2)
+    cross = plan_cross_step(plan, seconds, **network, threads=2)
+    assert cross.order == "next-forward need"
+    assert cross.predicted_step < cross.candidates["in-step"] * 0.97
+    assert cross.predicted_step <= cross.candidates.get("readiness suffix", math.inf)
+    deferred = [p for chunk in cross.chunks for p in chunk]
+    assert 0 in deferred and len(deferred) < len(plan.nodes)      # the top layer's first
+    needs = [plan.needs[p] for p in deferred]
+    assert needs == sorted(needs)                                  # issued in need order
+    # The simulated next step: each deferred layer's MatMul starts after its reduction.
+    problem = bucket_problem(plan, seconds, **network, threads=2, deferred=cross.chunks)
+    schedule = simulate(problem)
+    names = plan.model.names
+    first_collective = plan.model.num_nodes + sum(1 for k in problem.kind[
+        plan.model.num_nodes:] if k) - len(cross.chunks)
+    for number, chunk in enumerate(cross.chunks):
+        done = schedule.end[first_collective + number]
+        for position in chunk:
+            layer = names[plan.nodes[position]].removeprefix("allreduce")
+            assert schedule.start[names.index(f"forward{layer}")] >= done - 1e-12
+    # Compute-bound: the ring is idle at the end of the step, nothing to gain.
+    fast = dict(network, bandwidth=1e12)
+    fast_plan = plan_allreduce(graph_def, "caramel", **fast, op_seconds=seconds, threads=2)
+    idle = plan_cross_step(fast_plan, seconds, **fast, threads=2)
+    assert idle.predicted_step >= idle.in_step * (1 - 1e-9)
+    # Only eligible gradients move.
+    kept = plan_cross_step(plan, seconds, **network, threads=2, eligible=[3, 4, 5])
+    assert {p for chunk in kept.chunks for p in chunk} <= {3, 4, 5}

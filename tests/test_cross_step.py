@@ -233,7 +233,7 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
     once: Keras' SGD, Adam (its step count) and AdamW (its decay), the legacy SGD with
     momentum and Adam, and:
     - schedule: SGD with momentum at an exponentially decayed rate (each update at its
-      own step's rate); its deferred chunks' reductions are chained, one request each;
+      own step's rate);
     - validation: validation_data, and rank 0 alone evaluating after each epoch (no
       collective: exact values, no hang);
     - checkpoint: a tf.train.Checkpoint of model and optimizer after epoch 1, restored in
@@ -263,14 +263,14 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
                 continue
             assert deferred.get(key) == plain.get(key), (rank, key)
         assert deferred["warnings"] == [], (rank, deferred["warnings"])
-    if pattern == "schedule":
-        # Chunk by chunk, one request each: each deferred chunk's reduction waits for
-        # the one before it, and none waits for an update.
-        for records in keras_patterns:
-            reductions = records[pattern]["tfoverlap"]["deferred_reductions"]
-            assert reductions["reductions"] >= 2, reductions
-            assert reductions["chained"] and not reductions["wait_for_updates"], reductions
-            assert reductions["after_input"], reductions
+    # Chunk by chunk, one request each, as planned: each deferred chunk's reduction waits
+    # for the one before it and for the step's input, and none waits for an update.
+    for records in keras_patterns:
+        reductions = records[pattern]["tfoverlap"]["deferred_reductions"]
+        chunks = records[pattern]["tfoverlap"]["decision"]["chunks"]
+        assert reductions["reductions"] == len(chunks), (reductions, chunks)
+        assert reductions["chained"] and not reductions["wait_for_updates"], reductions
+        assert reductions["after_input"], reductions
     if feature == "validation":
         assert len(keras_patterns[0][pattern]["tfoverlap"]["rank0_evaluate"]) == 2
     if feature == "checkpoint":
@@ -280,6 +280,17 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
             names = records[pattern]["tfoverlap"]["deferred_names"]
             assert any(name.startswith("embedding") for name in names) == (
                 feature == "embedding_dense"), names
+
+
+def test_keras_fit_chains_several_deferred_chunks(keras_patterns):
+    """Where the plan defers in several chunks (the embedding reduced dense, which the
+    forward pass needs first, then the layers above it), each chunk is its own request,
+    and the reductions run one after another: the chaining above is not only checked on
+    single chunks."""
+    several = [pattern for pattern in KERAS_EXACT
+               if len(keras_patterns[0][pattern]["tfoverlap"]["decision"]["chunks"]) >= 2]
+    assert several, {pattern: keras_patterns[0][pattern]["tfoverlap"]["decision"]
+                     for pattern in KERAS_EXACT}
 
 
 def test_keras_fit_lets_the_plan_decide_by_default_and_stays_exact(keras_patterns):

@@ -91,9 +91,11 @@ class Options:
                  measured value).
     threads:     Caramel: a rank's compute threads (TensorFlow's inter-op pool) in the
                  ready-time simulation; 0 takes this host's CPU count.
-    cross_step:  the Horovod wrappers (graph mode, Keras): reduce the gradients that become
-                 ready last under the next step's forward pass. "auto" (default): where
-                 the plan predicts a gain of min_gain; true: wherever one fits; false.
+    cross_step:  the Horovod wrappers (graph mode, tape loops, Keras): reduce some gradients
+                 under the next step's forward pass, in the order it needs them (the
+                 plan's choice: those ready last, or those the forward pass needs last).
+                 "auto" (default): where the plan predicts a gain of min_gain; true:
+                 wherever one fits; false.
     decouple:    the Horovod wrappers (graph mode, tape loops in a tf.function, Keras fit
                  with several steps per call): reduce-scatter the gradients, update each
                  rank's shard, all-gather the parameters under the next forward pass.

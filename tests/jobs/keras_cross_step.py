@@ -202,7 +202,7 @@ def _train(pattern, variant, distributed):
     record["optimizer"] = [np.asarray(v).ravel()[:16].tolist()
                            for v in model.optimizer.variables]
     record["decision"] = tfo_keras.cross_step_decision(model) if variant == "tfoverlap" else None
-    if variant == "tfoverlap" and pattern == "schedule":
+    if variant == "tfoverlap" and pattern != "auto":
         record["deferred_reductions"] = deferred_reductions(model)
     if variant == "tfoverlap" and pattern.startswith("embedding"):
         from tfoverlap.horovod.adapters.keras_fit import _deferrals

@@ -34,7 +34,8 @@ def write_csv(rows: list[dict], path: str) -> None:
 RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "declined",
                 "emulated", "dilation", "host_busy", "worker_cpu_share", "breakdown",
                 "predicted_s", "prediction_error", "round_low", "round_high",
-                "deferred_gradients", "deferred_mb", "decoupled_gradients",
+                "deferred_gradients", "deferred_mb", "deferral_order", "deferred_chunks",
+                "deferral_candidates_ms", "decoupled_gradients",
                 "reduce_scatter_buckets", "gather_requests", "api", "steps_per_execution",
                 "drain_ms", "order_concordance", "later_s", "later_speedup", "pass_link",
                 "command", "date")

@@ -36,8 +36,9 @@ __all__ = ["ALLREDUCE_OP", "AllreducePlan", "GradientTimes", "allreduce_gradient
            "resolve_ranks", "request_latency", "horovod_cycle_seconds", "PlanInputs",
            "HOROVOD_REDUCE_OPS", "HOROVOD_GATHER_OPS", "gradient_submissions",
            "planning_inputs", "traced_step_breakdown",
-           "waited_producers", "DEFERRED_ATTR", "deferred_chunks", "deferred_step",
-           "growing_runs", "gradient_gates"]
+           "waited_producers", "DEFERRED_ATTR", "deferred_chunks",
+           "growing_runs", "gradient_gates", "CrossStepPlan", "plan_cross_step",
+           "plan_cross_step_for_graph"]
 
 ALLREDUCE_OP = "HorovodAllreduce"
 #: the op types that hand gradients to Horovod for reduction: AllReduces, and decoupled
@@ -62,6 +63,9 @@ class GradientTimes:
     producer_gradients: dict = dataclasses.field(default_factory=dict)
     # (weight-gradient producer, an op it runs before): see ``weight_first``
     weight_first: list = dataclasses.field(default_factory=list)
+    # when the next step's forward pass first uses each one's variable, and the ops that do
+    needs: list = dataclasses.field(default_factory=list)
+    needers: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -79,6 +83,8 @@ class AllreducePlan:
     baseline_step: float = math.nan     # simulated step under Horovod's own fusion
     # (weight-gradient producer, an op of the backward chain it runs before)
     weight_first: list = dataclasses.field(default_factory=list)
+    needs: list = dataclasses.field(default_factory=list)      # as GradientTimes'
+    needers: list = dataclasses.field(default_factory=list)
 
 
 def waited_producers(times: GradientTimes, buckets: list[Bucket]) -> set[int]:
@@ -116,6 +122,48 @@ def _gradient_bytes(graph_def, model: GraphModel, node: int, succs,
 
 
 _FORWARDING_OPS = frozenset({"Identity", "IdentityN", "Snapshot"})
+
+
+_RESOURCE_DTYPE = 20      # DT_RESOURCE: a tf.function's captured variable
+_READ_OPS = frozenset({"ReadVariableOp", "Identity", "Snapshot"})
+
+
+def _is_variable_source(node_def) -> bool:
+    if is_variable_op(node_def.op):
+        return True
+    attr = node_def.attr.get("dtype" if node_def.op == "Placeholder" else "T")
+    return node_def.op in ("Placeholder", "_Arg") and attr is not None and \
+        attr.type == _RESOURCE_DTYPE
+
+
+def _variable_users(graph_def, model: GraphModel, node: int, succs, data_consumers,
+                    size: int, in_step: set, limit: int = 256) -> list[int]:
+    """The ops that use the value of the variable ``node``'s reduced gradient updates,
+    outside its update: what the next step's forward pass waits for if that update is
+    deferred. The variable is one its update (the ops downstream of ``node``) writes, of
+    the gradient's size, whose reads feed ops that are not part of the update (a slot
+    such as Adam's ``m`` is read only there; a step counter has another size); a gather
+    uses the variable itself. Only ops in ``in_step`` count (the ones the step's
+    reductions depend on, not an initializer or a save). Empty where none is found."""
+    update, frontier = {node}, [node]
+    while frontier and len(update) < limit:
+        frontier = [c for f in frontier for c in succs[f] if c not in update]
+        update.update(frontier)
+    users = []
+    for variable in dict.fromkeys(p for c in update for p, _ in model.data_inputs[c]
+                                  if _is_variable_source(graph_def.node[p])):
+        outside = [c for c in data_consumers[variable] if c not in update and c in in_step]
+        reads = [c for c in outside if model.ops[c] in _READ_OPS]
+        if size and reads and tensor_bytes(graph_def, model, reads[0]) not in (None, size):
+            continue
+        found = [c for c in outside if c not in reads]     # a gather reads the handle
+        for _ in range(4):       # through Identities to the ops that compute with it
+            following = [c for r in reads for c in data_consumers[r]
+                         if c not in update and c in in_step]
+            found += [c for c in following if model.ops[c] not in _FORWARDING_OPS]
+            reads = [c for c in following if model.ops[c] in _FORWARDING_OPS]
+        users += found
+    return list(dict.fromkeys(users))
 
 
 def _computing_producer(model: GraphModel, node: int) -> int:
@@ -296,17 +344,108 @@ def growing_runs(items: list, weights, runs: int) -> list[list]:
     return result
 
 
-def deferred_step(plan: AllreducePlan, ring_seconds, chunks: list[list[int]],
-                  request_seconds: float = 0.0) -> float:
-    """The step predicted with ``chunks`` (from :func:`deferred_chunks`) reduced under the
-    next step's forward pass: the ring's in-step work ends earlier by their ring time
-    (they were its last), not before the last gradient is ready; the forward pass then
-    waits for the first chunk (its ring time and one request) before it starts."""
-    if not chunks:
-        return plan.predicted_step
-    saved = sum(ring_seconds[position] for chunk in chunks for position in chunk)
-    first = sum(ring_seconds[position] for position in chunks[0]) + request_seconds
-    return max(plan.ready[-1], plan.predicted_step - saved) + first
+@dataclasses.dataclass
+class CrossStepPlan:
+    """What cross-step overlap would defer: ``chunks`` of gradients (positions in the
+    plan's ``nodes``, first chunk issued first), chosen as ``order`` ("next-forward
+    need", "readiness suffix"; "" where there is no candidate) because the simulated step
+    with them, ``predicted_step`` (drain share included), is the shortest of the
+    deferring ``candidates`` (order -> predicted step; "in-step" the step with nothing
+    deferred, which may be shorter still). ``drain``: the seconds the chunks' reductions
+    take when exposed, one after the other (a drain)."""
+
+    chunks: list
+    order: str
+    predicted_step: float
+    in_step: float
+    candidates: dict
+    drain: float = 0.0
+
+
+def _need_chunks(plan: AllreducePlan, ring_seconds, positions: list[int], chunks: int,
+                 request_seconds: float) -> list[list[int]]:
+    """``positions`` in next-forward need order, cut into the runs (1 to ``chunks``,
+    each about twice the ring time of the one before) whose reductions, one after the
+    other from the step's start, keep the forward pass waiting least."""
+    ordered = sorted(positions, key=lambda position: (plan.needs[position], -position))
+    best, best_wait = [ordered], math.inf
+    for count in range(1, min(chunks, len(ordered)) + 1):
+        runs = growing_runs(ordered, [ring_seconds[p] for p in ordered], count)
+        done, wait = 0.0, 0.0
+        for run in runs:
+            done += sum(ring_seconds[p] for p in run) + request_seconds
+            wait = max(wait, done - min(plan.needs[p] for p in run))
+        if wait < best_wait - 1e-12:
+            best, best_wait = runs, wait
+    return best
+
+
+def plan_cross_step(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth: float,
+                    latency: float, threads: int, eligible=None, chunks: int = 4,
+                    fuse_queued: bool = True, drain_every: int = 0,
+                    sizes_tried: int = 16) -> CrossStepPlan:
+    """Which reductions to move under the next step's forward pass, and in which order.
+
+    Two families of candidates, each simulated as the step after a deferring one
+    (:func:`bucket_problem` with ``deferred``): the *readiness suffix*, the gradients
+    ready last (the first layers', which the forward pass needs first,
+    :func:`deferred_chunks`); and *next-forward need*, the gradients whose variables the
+    forward pass uses last (the top layers'; ``sizes_tried`` sizes of that set, up to
+    three forward passes of ring time, alone and with the suffix), issued in need order
+    so that each update lands before its first use while the forward pass computes the
+    layers below. Where a step is bound by its reductions,
+    these are what the ring should still be doing when the next step starts. Only
+    positions in ``eligible`` (all if None) are deferred. ``drain_every`` N charges a
+    drain of the deferred reductions, exposed once every N steps, to each step."""
+    rings = [float(ring_allreduce_seconds(size, ranks, bandwidth, 0.0)) for size in plan.sizes]
+    request = float(ring_allreduce_seconds(0, ranks, 1.0, latency))
+    allowed = set(range(len(plan.nodes)) if eligible is None else eligible)
+
+    def drain(candidate):
+        return sum(rings[p] for chunk in candidate for p in chunk) + len(candidate) * request
+
+    def step(candidate):
+        simulated = simulate(bucket_problem(plan, op_seconds, ranks, bandwidth, latency,
+                                            threads, fuse_queued=fuse_queued,
+                                            deferred=candidate)).makespan
+        return simulated + (drain(candidate) / drain_every if drain_every and candidate
+                            else 0.0)
+
+    in_step = min(plan.predicted_step, plan.baseline_step)
+    options = {}
+    suffix = [[p for p in chunk if p in allowed]
+              for chunk in deferred_chunks(plan, rings, chunks, request)]
+    suffix = [chunk for chunk in suffix if chunk]
+    if suffix:
+        options["readiness suffix"] = (step(suffix), suffix)
+    known = sorted((p for p in allowed if plan.needers[p] and plan.needs[p] > 0),
+                   key=lambda p: (-plan.needs[p], p))
+    # Sets of the latest-needed gradients up to three forward passes of ring time (a
+    # forward pass that waits a little for a large gradient can still gain), alone and
+    # with the suffix (which the forward pass needs first).
+    forward = max((plan.needs[p] for p in known), default=0.0)
+    half = max(1, sizes_tried // 2)
+    totals = np.cumsum([rings[p] for p in known])
+    limits = np.concatenate([np.linspace(forward / half, forward, half),
+                             np.linspace(forward, 3 * forward, sizes_tried - half + 1)[1:]])
+    counts = {int(np.searchsorted(totals, limit, side="right")) for limit in limits} - {0}
+    first = [p for chunk in suffix for p in chunk]
+    for count in sorted(counts):
+        need = known[:count]
+        for positions in (need, first + [p for p in need if p not in first]):
+            candidate = _need_chunks(plan, rings, positions, chunks, request)
+            predicted = step(candidate)
+            if predicted < options.get("next-forward need", (math.inf,))[0]:
+                options["next-forward need"] = (predicted, candidate)
+            if not first:
+                break
+    candidates = {"in-step": in_step, **{order: predicted
+                                         for order, (predicted, _) in options.items()}}
+    order = min(options, key=lambda name: options[name][0], default="")
+    if not order:
+        return CrossStepPlan([], "", in_step, in_step, candidates)
+    chosen = options[order][1]
+    return CrossStepPlan(chosen, order, options[order][0], in_step, candidates, drain(chosen))
 
 
 def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
@@ -376,6 +515,14 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
             producer_gradients.setdefault(_computing_producer(model, node), []).append(index)
     finish = started + work
     excluded = set(producers) | reduced
+    consumers = model.data_consumers()
+    in_step, frontier = set(nodes), list(nodes)
+    while frontier:
+        frontier = [p for f in frontier for p in model.predecessors(f) if p not in in_step]
+        in_step.update(frontier)
+    needers = [_variable_users(graph_def, model, v, succs, consumers, sizes_by_node[v],
+                               in_step) for v in nodes]
+    needs = [min((float(started[u]) for u in users), default=0.0) for users in needers]
 
     def order(node):     # the simulated order: a linear extension of the graph
         return (started[node], position[node])
@@ -389,33 +536,48 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
                          ready=[float(started[v]) for v in nodes],
                          tails=[float(after[v]) for v in nodes], producers=producers,
                          left_out=left_out, producer_gradients=producer_gradients,
-                         weight_first=pairs)
+                         weight_first=pairs, needs=needs, needers=needers)
 
 
 def bucket_problem(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth: float,
                    latency: float, threads: int, compute_scale: float = 1.0,
-                   collective_scale: float = 1.0, fuse_queued: bool = True) -> Problem:
+                   collective_scale: float = 1.0, fuse_queued: bool = True,
+                   deferred: list[list[int]] = ()) -> Problem:
     """One iteration under ``plan`` as simulator tasks: the graph's ops on one device, one
     collective per request between its gradients' producers and their AllReduce nodes.
 
     With ``fuse_queued`` the requests are what Horovod makes of the buckets: every cycle
     its background thread fuses the buckets that were handed to it while the ring was
     busy (:func:`~tfoverlap.schedulers.caramel.horovod_default_buckets` over the buckets'
-    sizes and ready times), so queued buckets pay one request, not one each."""
+    sizes and ready times), so queued buckets pay one request, not one each.
+
+    ``deferred``: chunks of gradients (positions in ``plan.nodes``) reduced under this
+    step's forward pass instead, as the step after a cross-step one runs: they leave the
+    buckets, and each chunk is one request at the step's start (first chunk first) that
+    the ops using its variables (``plan.needers``) wait for; all ops, where a variable's
+    users are unknown."""
     model = plan.model
+    buckets = plan.buckets
+    if deferred:
+        moved = {position for chunk in deferred for position in chunk}
+        buckets = []
+        for bucket in plan.buckets:
+            pieces = tuple(piece for piece in bucket.pieces if piece.gradient not in moved)
+            if pieces:
+                ready = max(plan.ready[piece.gradient] for piece in pieces)
+                buckets.append(Bucket(pieces, ready, bucket.start, bucket.finish))
     reduced = set(plan.nodes)
     kind = [COMPUTE] * model.num_nodes
     work = [0.0 if v in reduced else op_seconds.get(name, 0.0) * compute_scale
             for v, name in enumerate(model.names)]
     successors = [list(dict.fromkeys(s)) for s in model.successors()]
-    if fuse_queued and plan.buckets:
-        fused = horovod_default_buckets([b.size for b in plan.buckets],
-                                        [b.ready for b in plan.buckets], ranks, bandwidth,
-                                        latency)
+    if fuse_queued and buckets:
+        fused = horovod_default_buckets([b.size for b in buckets], [b.ready for b in buckets],
+                                        ranks, bandwidth, latency)
         requests = [[piece for member in request.pieces
-                     for piece in plan.buckets[member.gradient].pieces] for request in fused]
+                     for piece in buckets[member.gradient].pieces] for request in fused]
     else:
-        requests = [list(bucket.pieces) for bucket in plan.buckets]
+        requests = [list(bucket.pieces) for bucket in buckets]
     for pieces in requests:
         collective = len(kind)
         kind.append(COLLECTIVE)
@@ -427,10 +589,20 @@ def bucket_problem(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth:
             for pred in dict.fromkeys(model.predecessors(node)):
                 successors[pred].append(collective)
             successors[collective].append(node)
+    priority = list(range(len(kind)))
+    sources = [v for v in range(model.num_nodes) if not model.predecessors(v)]
+    for number, chunk in enumerate(deferred):
+        kind.append(COLLECTIVE)
+        work.append(collective_scale * float(ring_allreduce_seconds(
+            sum(plan.sizes[position] for position in chunk), ranks, bandwidth, latency)))
+        users = [user for position in chunk for user in plan.needers[position]]
+        unknown = any(not plan.needers[position] for position in chunk)
+        successors.append(list(dict.fromkeys(sources if unknown else users)))
+        priority.append(number - len(deferred))
     link = np.array([float(bandwidth)])
     return Problem(kind=np.array(kind, dtype=np.int8), resource=np.zeros(len(kind), np.int64),
                    work=np.array(work), successors=successors,
-                   priority=np.arange(len(kind), dtype=float), threads=[threads], channels=[],
+                   priority=np.array(priority, dtype=float), threads=[threads], channels=[],
                    egress=link, ingress=link)
 
 
@@ -457,7 +629,8 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
     def plan(name, buckets, times=times):
         return AllreducePlan(name, times.model, times.nodes, times.sizes, times.ready,
                              times.tails, buckets, times.producers, times.left_out,
-                             weight_first=times.weight_first)
+                             weight_first=times.weight_first, needs=times.needs,
+                             needers=times.needers)
 
     def caramel_buckets(times):
         return plan_buckets(times.sizes, times.ready, ranks, bandwidth, latency, chunk_bytes,
@@ -601,12 +774,33 @@ def planning_inputs(graph_def, options) -> tuple[PlanInputs, dict, dict]:
 def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
     """(plan, what it was planned with): exactly what the pass plans for ``graph_def``
     under ``options``; ``tfoverlap schedule --algo caramel`` shows it."""
+    plan, inputs, _ = _planned(graph_def, options)
+    return plan, inputs
+
+
+def _planned(graph_def, options) -> tuple[AllreducePlan, PlanInputs, dict]:
     inputs, op_seconds, tensor_sizes = planning_inputs(graph_def, options)
     plan = plan_allreduce(graph_def, "caramel", inputs.ranks, link_bandwidth(options),
                           inputs.request_latency(options), op_seconds, inputs.threads,
                           options.split_bytes, tensor_sizes, options.bucket_bytes,
                           fuse_queued=options.bucket_chain != "finished")
-    return plan, inputs
+    return plan, inputs, op_seconds
+
+
+def plan_cross_step_for_graph(graph_def, options, eligible_names=None, drain_every: int = 0
+                              ) -> tuple[AllreducePlan, CrossStepPlan]:
+    """(the in-step plan, what cross-step overlap defers) for ``graph_def`` under
+    ``options``, deferring only the AllReduces named in ``eligible_names`` (all if
+    None); :func:`plan_cross_step`'s ``drain_every``."""
+    plan, inputs, op_seconds = _planned(graph_def, options)
+    eligible = None if eligible_names is None else [
+        position for position, node in enumerate(plan.nodes)
+        if plan.model.names[node] in eligible_names]
+    cross = plan_cross_step(plan, op_seconds, inputs.ranks, link_bandwidth(options),
+                            inputs.request_latency(options), inputs.threads, eligible,
+                            fuse_queued=options.bucket_chain != "finished",
+                            drain_every=drain_every)
+    return plan, cross
 
 
 def gradient_submissions(run_metadata, devices: str = "") -> tuple[list[int], set[str]]:

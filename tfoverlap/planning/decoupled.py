@@ -31,8 +31,8 @@ from tfoverlap.costs.network import ring_allreduce_seconds
 from tfoverlap.graph.model import GraphModel, is_variable_op
 from tfoverlap.options import link_bandwidth
 from tfoverlap.planning.caramel import (SPLIT_BYTES, AllreducePlan, PlanInputs,
-                                        allreduce_gradients, deferred_chunks, deferred_step,
-                                        growing_runs, plan_allreduce, planning_inputs)
+                                        allreduce_gradients, growing_runs, plan_allreduce,
+                                        plan_cross_step, planning_inputs)
 from tfoverlap.schedulers.caramel import Bucket, plan_buckets
 from tfoverlap.sim.engine import COLLECTIVE, COMPUTE, Problem, simulate
 
@@ -237,11 +237,9 @@ def plan_decoupled(graph_def, ranks: int, bandwidth: float, latency: float,
                 result = candidate
     result.caramel_step = plan.predicted_step
     result.horovod_step = plan.baseline_step
-    # Cross-step overlap as the graph-mode wrapper plans it (a request's latency apart).
-    rings = [float(ring_allreduce_seconds(size, ranks, bandwidth, 0.0)) for size in plan.sizes]
-    request = float(ring_allreduce_seconds(0, ranks, 1.0, latency))
-    result.cross_step_step = deferred_step(
-        plan, rings, deferred_chunks(plan, rings, request_seconds=request), request)
+    # Cross-step overlap as the graph-mode wrapper plans it.
+    result.cross_step_step = plan_cross_step(plan, op_seconds, ranks, bandwidth, latency,
+                                             threads).predicted_step
     return result
 
 

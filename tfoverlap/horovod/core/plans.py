@@ -15,45 +15,37 @@ def plan_deferral(graph_def, own: dict, mode,
     """(chunks of the reductions to defer to the next step, the decision). ``own``: this
     optimizer's HorovodAllreduce nodes in ``graph_def`` -> the indices chunks hold. ``mode``
     "auto" defers where the step gains min_gain over the in-step plan; True wherever a
-    reduction fits under the forward pass. ``drain_every`` N: the deferred reductions are
-    exposed once every N steps (Keras' drain), charged to each step. Without a plan,
-    nothing is deferred, with a warning."""
-    from tfoverlap.costs.network import ring_allreduce_seconds
-    from tfoverlap.options import link_bandwidth, parse_options
-    from tfoverlap.planning.caramel import deferred_chunks, deferred_step, plan_for_graph
+    reduction fits under the next forward pass. ``drain_every`` N: the deferred reductions
+    are exposed once every N steps (Keras' drain), charged to each step. The plan compares deferring the
+    gradients ready last with deferring those the next forward pass needs last
+    (:func:`tfoverlap.planning.caramel.plan_cross_step`). Without a plan, nothing is
+    deferred, with a warning."""
+    from tfoverlap.options import parse_options
+    from tfoverlap.planning.caramel import plan_cross_step_for_graph
     decision = planned("cross_step", mode)
     chunks = []
     try:
         options = parse_options(caramel_options())
-        plan, inputs = plan_for_graph(graph_def, options)
-        latency = inputs.request_latency(options)
-        rings = [float(ring_allreduce_seconds(size, inputs.ranks, link_bandwidth(options),
-                                              0.0)) for size in plan.sizes]
-        request = float(ring_allreduce_seconds(0, inputs.ranks, 1.0, latency))
-        positions = [[p for p in chunk if plan.model.names[plan.nodes[p]] in own]
-                     for chunk in deferred_chunks(plan, rings, request_seconds=request)]
-        positions = [chunk for chunk in positions if chunk]
-        in_step = min(plan.predicted_step, plan.baseline_step)
-        predicted = deferred_step(plan, rings, positions, request)
-        if drain_every and positions:
-            drain = sum(rings[p] for chunk in positions for p in chunk) \
-                + len(positions) * request
-            predicted += drain / drain_every
-            decision["drain_predicted_ms"] = round(drain * 1e3, 3)
+        plan, cross = plan_cross_step_for_graph(graph_def, options, set(own), drain_every)
+        in_step, predicted = cross.in_step, cross.predicted_step
         gain = 1.0 - predicted / in_step if in_step > 0 else 0.0
         decision.update(in_step_ms=round(in_step * 1e3, 3),
                         predicted_step_ms=round(predicted * 1e3, 3),
-                        predicted_gain=round(gain, 4))
+                        predicted_gain=round(gain, 4), order=cross.order,
+                        candidates_ms={order: round(step * 1e3, 3)
+                                       for order, step in cross.candidates.items()})
         chunks = [[own[plan.model.names[plan.nodes[p]]] for p in chunk]
-                  for chunk in positions]
+                  for chunk in cross.chunks]
+        decision["chunks"] = [len(chunk) for chunk in chunks]
+        if drain_every and chunks:
+            decision["drain_predicted_ms"] = round(cross.drain * 1e3, 3)
         if not chunks:
-            decision["reason"] = ("no reduction of the plan's tail fits under the forward "
-                                  "pass")
+            decision["reason"] = "no reduction fits under the next forward pass"
         elif mode == "auto" and gain < options.min_gain:
             decision["reason"] = (f"deferring would take the step from {in_step * 1e3:.3g} "
                                   f"to {predicted * 1e3:.3g} ms ({gain:+.1%}), below "
                                   f"min_gain {options.min_gain:.1%}")
-            chunks = []
+            chunks, decision["chunks"] = [], []
     except Exception as error:  # noqa: BLE001 - nothing is changed yet: train as planned
         logger.warning("tfoverlap: cross_step: no plan to defer with (%s: %s); nothing "
                        "deferred", type(error).__name__, error)

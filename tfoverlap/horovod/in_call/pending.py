@@ -57,7 +57,7 @@ class Deferral:
         mb = sum(self.buffers[i].shape.num_elements() * self.buffers[i].dtype.size
                  for i in self.deferred) / 1e6
         self.decision.update(deferred=len(self.deferred), deferred_mb=round(mb, 3),
-                             chunks=len(self.chunks))
+                             chunks=[len(chunk) for chunk in self.chunks])
         logger.info("tfoverlap: cross_step: %s: %d of %d gradients (%.3g MB) reduced under "
                     "the next step's forward pass, in %d chunks (predicted %s ms a step, "
                     "in-step %s ms)", where, len(self.deferred), len(self.variables), mb,
