@@ -340,6 +340,29 @@ def test_caramel_plan_is_never_worse_than_horovods_fusion_in_the_simulation(caps
         assert caramel <= default * (1 + 1e-9), (bandwidth, default, caramel)
 
 
+def test_schedule_shows_the_cross_step_plan_in_next_forward_order(capsys, horovod_graphs):
+    """``--algo cross_step``: what cross-step overlap would defer, chunk by chunk in the
+    order it is reduced (the next forward pass's need order), each gradient with the ops
+    that wait for it, and the step each candidate plan was predicted at."""
+    path = horovod_graphs.paths["cli_chain"]
+    code, out, _ = run(capsys, "schedule", path, "--algo", "cross_step", "--workers", 8,
+                       "--bandwidth", "10Gbit", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["order"] in plan["candidates_s"] and "in-step" in plan["candidates_s"]
+    assert plan["predicted_step_s"] == min(
+        step for name, step in plan["candidates_s"].items() if name != "in-step")
+    deferred = [row for chunk in plan["chunks"] for row in chunk]
+    assert 0 < len(deferred) < 6
+    assert [row["need_s"] for row in deferred] == sorted(row["need_s"] for row in deferred)
+    for row in deferred:      # the layer's own forward MatMul waits for its reduction
+        layer = row["allreduce"].split("gradients_")[1].split("_grad")[0]
+        assert layer in row["waiting"], row
+    code, out, _ = run(capsys, "schedule", path, "--algo", "cross_step", "--workers", 8,
+                       "--bandwidth", "10Gbit")
+    assert code == 0 and "reduced at the next step's start in this order" in out
+
+
 def test_schedule_names_the_transfers_it_leaves_to_control_flow(capsys, tmp_path):
     from tensorflow.python.ops import control_flow_util
     import tensorflow as tf

@@ -200,7 +200,7 @@ def _critical_path(model, profile) -> tuple[list[int], float]:
 def _schedule(args) -> int:
     from tfoverlap.graph.model import tensor_bytes
     graph_def = load_graph(args.graph)
-    if args.algo in ("caramel", "decoupled"):
+    if args.algo in ("caramel", "decoupled", "cross_step"):
         return _schedule_allreduce(graph_def, args)
     schedule = _plan(graph_def, args, args.algo)
     model, transfers, notes = schedule.model, schedule.transfers, schedule.notes
@@ -269,6 +269,8 @@ def _schedule_allreduce(graph_def, args) -> int:
     bandwidth = options.bandwidth
     if args.algo == "decoupled":
         return _schedule_decoupled(graph_def, options, args)
+    if args.algo == "cross_step":
+        return _schedule_cross_step(graph_def, options, args)
     plan, inputs = plan_for_graph(graph_def, options)
     source = inputs.ready_times_from
     names = [plan.model.names[v] for v in plan.nodes]
@@ -294,6 +296,48 @@ def _print_buckets(rows, finish: str) -> None:
         print(f"  {row['bucket']:>3} {len(row['gradients']):>9} {_megabytes(row['bytes']):>12} "
               f"{row['ready_s'] * 1e3:>9.2f} {row['start_s'] * 1e3:>9.2f} "
               f"{row['finish_s'] * 1e3:>10.2f}  {row['gradients'][0]['allreduce']}")
+
+
+def _schedule_cross_step(graph_def, options, args) -> int:
+    from tfoverlap.planning.caramel import plan_cross_step_for_graph
+    try:
+        plan, cross = plan_cross_step_for_graph(graph_def, options)
+    except ValueError as error:
+        raise CliError(f"{args.graph}: {error}") from None
+    names = plan.model.names
+    chunks = [[{"allreduce": names[plan.nodes[p]], "bytes": plan.sizes[p],
+                "ready_s": plan.ready[p], "need_s": plan.needs[p],
+                "waiting": sorted(names[user] for user in plan.needers[p])}
+               for p in chunk] for chunk in cross.chunks]
+    if args.json:
+        json.dump({"algorithm": "cross_step", "ranks": args.workers,
+                   "bandwidth": options.bandwidth, "order": cross.order, "chunks": chunks,
+                   "predicted_step_s": cross.predicted_step,
+                   "candidates_s": cross.candidates}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"Cross-step plan for {len(plan.nodes)} AllReduces, {args.workers} ranks, "
+          f"{options.bandwidth * 8 / 1e9:g} Gbit/s: predicted step "
+          + ", ".join(f"{name} {seconds * 1e3:.2f} ms"
+                      for name, seconds in cross.candidates.items()))
+    if not chunks:
+        print("nothing to defer: no reduction fits under the next forward pass")
+        return 0
+    print(f"deferred ({cross.order}), reduced at the next step's start in this order, "
+          f"{len(chunks)} request{'s' if len(chunks) != 1 else ''}:")
+    print(f"  {'#':>3} {'size':>12} {'ready ms':>9} {'need ms':>9}  gradient -> the ops of "
+          "the next forward pass that wait for it")
+    for number, chunk in enumerate(chunks):
+        for row in chunk:
+            print(f"  {number:>3} {_megabytes(row['bytes']):>12} {row['ready_s'] * 1e3:>9.2f} "
+                  f"{row['need_s'] * 1e3:>9.2f}  {row['allreduce']} -> "
+                  + (f"{row['waiting'][0]}" + (f" and {len(row['waiting']) - 1} more"
+                                                if len(row['waiting']) > 1 else "")
+                     if row["waiting"] else "(not found: the whole forward pass)"))
+    if cross.predicted_step >= cross.in_step:
+        print(f"note: no faster than the in-step plan ({cross.in_step * 1e3:.2f} ms); "
+              "cross_step=\"auto\" would not defer")
+    return 0
 
 
 def _schedule_decoupled(graph_def, options, args) -> int:
@@ -570,7 +614,8 @@ def _parser() -> argparse.ArgumentParser:
     schedule = graph_command("schedule", "the transfer order TIC or TAC plans and the "
                                          "ordering constraints the pass would add; for "
                                          "Horovod graphs Caramel's AllReduce buckets")
-    schedule.add_argument("--algo", choices=("tic", "tac", "caramel", "decoupled"),
+    schedule.add_argument("--algo", choices=("tic", "tac", "caramel", "decoupled",
+                                             "cross_step"),
                           default="tic")
     schedule.add_argument("--json", action="store_true")
     schedule.add_argument("--workers", type=int, default=4, help="caramel: ranks")

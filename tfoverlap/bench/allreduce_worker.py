@@ -18,8 +18,8 @@ Variants (each its own graph and session, same model, batch and seed):
   caramel_finished  forced, each bucket issued only once the one before is reduced.
   caramel_profiled  forced, planned with op times from a profiled warm-up of 3 steps
                 (``configure(profile_steps=3)``) instead of static estimates.
-  caramel_cross_step  forced, the gradients ready last reduced under the next step's
-                forward pass wherever they fit (``configure(cross_step=True)``; its
+  caramel_cross_step  forced, the plan's best deferral reduced under the next step's
+                forward pass wherever one fits (``configure(cross_step=True)``; its
                 report says what was deferred).
   caramel_decoupled  forced, the gradients reduce-scattered under the backward pass, each
                 rank's shard updated, the parameters all-gathered under the next forward

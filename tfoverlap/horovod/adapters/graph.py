@@ -129,8 +129,8 @@ def schedule_in_place(graph, gradients=(), cross_step: dict | None = None,
 
 def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, variables,
                         reduced, allreduces, gradients, decouple: dict | None = None):
-    """cross_step: builds the step with the updates of the gradients ready last deferred to
-    the next step, where the plan (``mode``) says so, then plans the rest of the step;
+    """cross_step: builds the step with the updates the plan picks deferred to the next
+    step, where the plan (``mode``) says so, then plans the rest of the step;
     returns the train op. ``decouple``: decoupling's decision where it declined."""
     from tfoverlap.horovod.session.deferral import defer_updates
     graph = grads_and_vars[0][1].graph

@@ -1,5 +1,5 @@
-"""Cross-step overlap in graph mode: the gradients ready last, stored by the train run,
-are reduced by a background run under the next step's forward pass, and every op that
+"""Cross-step overlap in graph mode: the gradients the plan defers, stored by the train
+run, are reduced by a background run under the next step's forward pass, and every op that
 uses such a variable applies its update first (docs/architecture.md, "Graph mode,
 cross-step overlap")."""
 from __future__ import annotations
@@ -208,7 +208,7 @@ def _deferred_chunk(optimizer, chunk, variables, local, reduced, allreduces, val
         guard_of[variable.handle.name] = apply
         for slot in optimizer.get_slot_names():
             guard_of[optimizer.get_slot(variable, slot).handle.name] = apply
-    with tf.control_dependencies(previous):     # first layers first
+    with tf.control_dependencies(previous):     # in the planned order
         taken = stored.dequeue()
     taken = taken if isinstance(taken, list) else [taken]
     for gradient, tensor, allreduce, result in zip(local, taken, allreduces, reduced):
