@@ -171,10 +171,11 @@ def test_cross_step_defers_the_last_ready_gradients_within_the_forward_pass_and_
                            request_seconds=0.001) == []
 
 
-def _chain_training_graph(layers: int = 8, width: int = 256):
+def _chain_training_graph(layers: int = 8, width: int = 256, updates: bool = True):
     """A TensorFlow training step of a chain of MatMuls whose gradients go through ops
     named as Horovod's AllReduces (plain Identities, renamed in the GraphDef: the plan
-    reads only names and shapes), each into its variable's SGD update."""
+    reads only names and shapes), each into its variable's SGD update (none where not
+    ``updates``: the graph as a wrapper plans it, before the updates are built)."""
     import tensorflow as tf
     graph = tf.Graph()
     with graph.as_default():
@@ -186,8 +187,9 @@ def _chain_training_graph(layers: int = 8, width: int = 256):
         gradients = tf.gradients(tf.reduce_sum(hidden), weights)
         for i, (weight, gradient) in enumerate(zip(weights, gradients)):
             reduced = tf.identity(gradient, name=f"allreduce{i}")
-            tf.raw_ops.ResourceApplyGradientDescent(var=weight.handle, alpha=0.01,
-                                                    delta=reduced)
+            if updates:
+                tf.raw_ops.ResourceApplyGradientDescent(var=weight.handle, alpha=0.01,
+                                                        delta=reduced)
     graph_def = graph.as_graph_def(add_shapes=True)
     for node in graph_def.node:
         if node.name.startswith("allreduce"):
@@ -208,6 +210,15 @@ def test_the_next_forward_passs_need_of_each_variable_comes_from_the_graph():
     assert all(f"forward{7 - k}" in users[k] for k in range(8))
     assert plan.needs == sorted(plan.needs, reverse=True) and plan.needs[-1] == 0.0
     assert plan.needs[0] == pytest.approx(7e-3)       # after 7 forward MatMuls
+    # Before the updates exist (a wrapper plans as it reduces), the variables come from
+    # the wrapper; without them nothing is known.
+    graph_def, seconds = _chain_training_graph(updates=False)
+    blind = plan_allreduce(graph_def, "caramel", 8, 1e9, 1e-5, seconds, threads=1)
+    assert blind.needers == [[]] * 8
+    told = plan_allreduce(graph_def, "caramel", 8, 1e9, 1e-5, seconds, threads=1,
+                          variables={f"allreduce{i}": f"w{i}" for i in range(8)})
+    assert told.needs == plan.needs
+    assert [{told.model.names[u] for u in needers} for needers in told.needers] == users
 
 
 def test_cross_step_defers_what_the_next_forward_pass_needs_last_where_comm_bound():
@@ -247,4 +258,8 @@ def test_cross_step_defers_what_the_next_forward_pass_needs_last_where_comm_boun
     assert idle.predicted_step >= idle.in_step * (1 - 1e-9)
     # Only eligible gradients move.
     kept = plan_cross_step(plan, seconds, **network, threads=2, eligible=[3, 4, 5])
-    assert {p for chunk in kept.chunks for p in chunk} <= {3, 4, 5}
+    assert {p for chunk in kept.chunks for p in chunk} < {3, 4, 5}
+    # Never all of them: a step keeps a reduction of its own (one optimizer of two whose
+    # every update moved would leave its step nothing to wait for).
+    alone = plan_cross_step(plan, seconds, **network, threads=2, eligible=[0])
+    assert alone.chunks == [] and alone.order == ""

@@ -23,9 +23,9 @@ def configure(profile_steps: int = 0, cross_step: bool | str = "auto",
     ``profile_steps=N``: graph-mode optimizers plan with the op times of N traced warm-up
     steps (rank 0's; every rank configures alike), else with static estimates and a
     warning saying why. ``cross_step``: the reductions the plan picks go under the
-    next step's forward pass, in the order it needs them (graph mode; Keras ``fit`` and tape loops within
-    a call): "auto" (the default) where the plan predicts ``min_gain`` over its in-step
-    plan, True wherever one fits, False never. ``decouple``: reduce-scatter, sharded
+    next step's forward pass, in the order it needs them (graph mode; Keras ``fit`` and
+    tape loops within a call): "auto" (the default) where the plan predicts ``min_gain``
+    over its in-step plan, True wherever one fits, False never. ``decouple``: reduce-scatter, sharded
     update and all-gather under the next forward pass: True wherever the program allows
     it, "auto" where the plan predicts ``min_gain`` over the best of the others, False
     (the default) never."""

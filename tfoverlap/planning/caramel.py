@@ -137,24 +137,30 @@ def _is_variable_source(node_def) -> bool:
 
 
 def _variable_users(graph_def, model: GraphModel, node: int, succs, data_consumers,
-                    size: int, in_step: set, limit: int = 256) -> list[int]:
+                    size: int, in_step: set, variable: int | None = None,
+                    limit: int = 256) -> list[int]:
     """The ops that use the value of the variable ``node``'s reduced gradient updates,
     outside its update: what the next step's forward pass waits for if that update is
-    deferred. The variable is one its update (the ops downstream of ``node``) writes, of
-    the gradient's size, whose reads feed ops that are not part of the update (a slot
-    such as Adam's ``m`` is read only there; a step counter has another size); a gather
-    uses the variable itself. Only ops in ``in_step`` count (the ones the step's
+    deferred. The variable is ``variable`` where the caller knows it (a wrapper plans
+    before the update is built); else one its update (the ops downstream of ``node``)
+    writes, of the gradient's size, whose reads feed ops that are not part of the update
+    (a slot such as Adam's ``m`` is read only there; a step counter has another size). A
+    gather uses the variable itself. Only ops in ``in_step`` count (the ones the step's
     reductions depend on, not an initializer or a save). Empty where none is found."""
     update, frontier = {node}, [node]
     while frontier and len(update) < limit:
         frontier = [c for f in frontier for c in succs[f] if c not in update]
         update.update(frontier)
+    known = variable is not None
+    variables = [variable] if known else list(dict.fromkeys(
+        p for c in update for p, _ in model.data_inputs[c]
+        if _is_variable_source(graph_def.node[p])))
     users = []
-    for variable in dict.fromkeys(p for c in update for p, _ in model.data_inputs[c]
-                                  if _is_variable_source(graph_def.node[p])):
+    for variable in variables:
         outside = [c for c in data_consumers[variable] if c not in update and c in in_step]
         reads = [c for c in outside if model.ops[c] in _READ_OPS]
-        if size and reads and tensor_bytes(graph_def, model, reads[0]) not in (None, size):
+        if (not known and size and reads
+                and tensor_bytes(graph_def, model, reads[0]) not in (None, size)):
             continue
         found = [c for c in outside if c not in reads]     # a gather reads the handle
         for _ in range(4):       # through Identities to the ops that compute with it
@@ -395,8 +401,9 @@ def plan_cross_step(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth
     so that each update lands before its first use while the forward pass computes the
     layers below. Where a step is bound by its reductions,
     these are what the ring should still be doing when the next step starts. Only
-    positions in ``eligible`` (all if None) are deferred. ``drain_every`` N charges a
-    drain of the deferred reductions, exposed once every N steps, to each step."""
+    positions in ``eligible`` (all if None) are deferred, never all of them (a step keeps
+    something of its own to reduce). ``drain_every`` N charges a drain of the deferred
+    reductions, exposed once every N steps, to each step."""
     rings = [float(ring_allreduce_seconds(size, ranks, bandwidth, 0.0)) for size in plan.sizes]
     request = float(ring_allreduce_seconds(0, ranks, 1.0, latency))
     allowed = set(range(len(plan.nodes)) if eligible is None else eligible)
@@ -416,7 +423,10 @@ def plan_cross_step(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth
     suffix = [[p for p in chunk if p in allowed]
               for chunk in deferred_chunks(plan, rings, chunks, request)]
     suffix = [chunk for chunk in suffix if chunk]
-    if suffix:
+
+    def partial(candidate):
+        return 0 < sum(len(chunk) for chunk in candidate) < len(allowed)
+    if partial(suffix):
         options["readiness suffix"] = (step(suffix), suffix)
     known = sorted((p for p in allowed if plan.needers[p] and plan.needs[p] > 0),
                    key=lambda p: (-plan.needs[p], p))
@@ -432,13 +442,14 @@ def plan_cross_step(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth
     first = [p for chunk in suffix for p in chunk]
     for count in sorted(counts):
         need = known[:count]
-        for positions in (need, first + [p for p in need if p not in first]):
+        with_suffix = [first + [p for p in need if p not in first]] if first else []
+        for positions in [need] + with_suffix:
             candidate = _need_chunks(plan, rings, positions, chunks, request)
+            if not partial(candidate):
+                continue
             predicted = step(candidate)
             if predicted < options.get("next-forward need", (math.inf,))[0]:
                 options["next-forward need"] = (predicted, candidate)
-            if not first:
-                break
     candidates = {"in-step": in_step, **{order: predicted
                                          for order, (predicted, _) in options.items()}}
     order = min(options, key=lambda name: options[name][0], default="")
@@ -451,7 +462,8 @@ def plan_cross_step(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth
 def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
                         tensor_sizes: dict | None = None,
                         network: tuple[int, float, float] | None = None,
-                        weight_first: frozenset = frozenset()) -> GradientTimes:
+                        weight_first: frozenset = frozenset(),
+                        variables: dict | None = None) -> GradientTimes:
     """The graph's AllReduce nodes in the order their gradients become ready.
 
     One compute-only simulation of the step with ``op_seconds`` on ``threads`` threads
@@ -520,8 +532,10 @@ def allreduce_gradients(graph_def, op_seconds: dict, threads: int = 2,
     while frontier:
         frontier = [p for f in frontier for p in model.predecessors(f) if p not in in_step]
         in_step.update(frontier)
+    index = {name: node for node, name in enumerate(model.names)}
+    variable_of = {node: index.get((variables or {}).get(model.names[node])) for node in nodes}
     needers = [_variable_users(graph_def, model, v, succs, consumers, sizes_by_node[v],
-                               in_step) for v in nodes]
+                               in_step, variable_of[v]) for v in nodes]
     needs = [min((float(started[u]) for u in users), default=0.0) for users in needers]
 
     def order(node):     # the simulated order: a linear extension of the graph
@@ -611,8 +625,10 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
                    chunk_bytes: float = SPLIT_BYTES,
                    tensor_sizes: dict | None = None,
                    max_bucket_bytes: float = math.inf,
-                   fuse_queued: bool = True) -> AllreducePlan:
+                   fuse_queued: bool = True, variables: dict | None = None) -> AllreducePlan:
     """The buckets ``algorithm`` ("caramel" or Horovod's "default") makes of the graph.
+    ``variables``: AllReduce name -> the op of the variable its gradient updates, where
+    known (:func:`allreduce_gradients`).
 
     Caramel's dynamic program models the step coarsely (a bucket's updates as a tail); the
     plan it returns is the faster, in a simulation of the whole step, of its own and
@@ -624,7 +640,8 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
         raise ValueError(f"unknown AllReduce algorithm {algorithm!r}: caramel or default")
     op_seconds = op_seconds or {}
     network = (ranks, bandwidth, latency)
-    times = allreduce_gradients(graph_def, op_seconds, threads, tensor_sizes, network)
+    times = allreduce_gradients(graph_def, op_seconds, threads, tensor_sizes, network,
+                                variables=variables)
 
     def plan(name, buckets, times=times):
         return AllreducePlan(name, times.model, times.nodes, times.sizes, times.ready,
@@ -645,7 +662,7 @@ def plan_allreduce(graph_def, algorithm: str, ranks: int, bandwidth: float, late
         # Where the ring waits for a gradient, its weight gradient goes first: the
         # gradients are ready earlier, and the buckets are planned for those times.
         times = allreduce_gradients(graph_def, op_seconds, threads, tensor_sizes, network,
-                                    weight_first=frozenset(waited))
+                                    weight_first=frozenset(waited), variables=variables)
         buckets = caramel_buckets(times)
     caramel = plan("caramel", buckets, times)
 
@@ -778,21 +795,25 @@ def plan_for_graph(graph_def, options) -> tuple[AllreducePlan, PlanInputs]:
     return plan, inputs
 
 
-def _planned(graph_def, options) -> tuple[AllreducePlan, PlanInputs, dict]:
+def _planned(graph_def, options, variables: dict | None = None
+             ) -> tuple[AllreducePlan, PlanInputs, dict]:
     inputs, op_seconds, tensor_sizes = planning_inputs(graph_def, options)
     plan = plan_allreduce(graph_def, "caramel", inputs.ranks, link_bandwidth(options),
                           inputs.request_latency(options), op_seconds, inputs.threads,
                           options.split_bytes, tensor_sizes, options.bucket_bytes,
-                          fuse_queued=options.bucket_chain != "finished")
+                          fuse_queued=options.bucket_chain != "finished",
+                          variables=variables)
     return plan, inputs, op_seconds
 
 
-def plan_cross_step_for_graph(graph_def, options, eligible_names=None, drain_every: int = 0
+def plan_cross_step_for_graph(graph_def, options, eligible_names=None, drain_every: int = 0,
+                              variables: dict | None = None
                               ) -> tuple[AllreducePlan, CrossStepPlan]:
     """(the in-step plan, what cross-step overlap defers) for ``graph_def`` under
     ``options``, deferring only the AllReduces named in ``eligible_names`` (all if
-    None); :func:`plan_cross_step`'s ``drain_every``."""
-    plan, inputs, op_seconds = _planned(graph_def, options)
+    None); :func:`plan_cross_step`'s ``drain_every``; ``variables`` as
+    :func:`plan_allreduce`'s."""
+    plan, inputs, op_seconds = _planned(graph_def, options, variables)
     eligible = None if eligible_names is None else [
         position for position, node in enumerate(plan.nodes)
         if plan.model.names[node] in eligible_names]

@@ -10,7 +10,7 @@ import weakref
 
 from tfoverlap.horovod.core.contract import reduce_without_cond
 from tfoverlap.horovod.core.decisions import planned
-from tfoverlap.horovod.core.plans import plan_decoupling, plan_deferral
+from tfoverlap.horovod.core.plans import plan_decoupling, plan_deferral, variable_ops
 from tfoverlap.horovod.measure import EMULATION_OPTIONS, warmup_profile
 from tfoverlap.horovod.settings import caramel_options, wrapper_option
 from tfoverlap.log import logger
@@ -135,7 +135,9 @@ def defer_and_schedule(optimizer, grads_and_vars, apply_in_step, mode, grads, va
     from tfoverlap.horovod.session.deferral import defer_updates
     graph = grads_and_vars[0][1].graph
     reduced_at, pair_of = _pairing(grads_and_vars, variables, allreduces)
-    chunks, decision = plan_deferral(graph.as_graph_def(), pair_of, mode)
+    chunks, decision = plan_deferral(
+        graph.as_graph_def(), pair_of, mode,
+        variables=variable_ops(graph, pair_of, [v for _, v in grads_and_vars]))
     if chunks:
         train = defer_updates(optimizer, grads_and_vars, _aligned(grads, reduced_at),
                               _aligned(reduced, reduced_at), _aligned(allreduces, reduced_at),

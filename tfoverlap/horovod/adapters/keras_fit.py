@@ -143,7 +143,7 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
     buffers built), or nothing, with the reason."""
     import tensorflow as tf
 
-    from tfoverlap.horovod.core.plans import plan_deferral
+    from tfoverlap.horovod.core.plans import plan_deferral, variable_ops
     mode = wrapper_option("cross_step", "auto")
     decouple = wrapper_option("decouple", False)
     level = logging.WARNING if (decouple or mode) is True else logging.INFO
@@ -182,8 +182,9 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
         deferral.decision = planned("cross_step", mode)
     with tf.init_scope():
         steps = int(model._steps_per_execution.numpy())  # noqa: SLF001 - checked above
-    chunks, deferral.decision = plan_deferral(graph.as_graph_def(add_shapes=True), own, mode,
-                                              drain_every=steps)
+    chunks, deferral.decision = plan_deferral(
+        graph.as_graph_def(add_shapes=True), own, mode, drain_every=steps,
+        variables=variable_ops(graph, own, deferral.variables))
     if not deferral.keep(chunks, len(deferral.variables)):
         logger.log(level, "tfoverlap: cross_step: nothing deferred: %s",
                    deferral.decision.get("reason"))

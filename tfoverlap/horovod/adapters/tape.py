@@ -77,7 +77,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     import tensorflow as tf
 
     from tfoverlap.horovod.session.deferral import reducing_allreduce
-    from tfoverlap.horovod.core.plans import plan_deferral
+    from tfoverlap.horovod.core.plans import plan_deferral, variable_ops
     from tfoverlap.horovod.settings import wrapper_option
     from tensorflow.python.ops.control_flow_v2_func_graphs import WhileBodyFuncGraph
     level = logging.WARNING if mode is True else logging.INFO
@@ -119,7 +119,8 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
         # every rank, and may not make buffers.
         refused = deferral_refused_by_reduction(reduction)
         _plans[key] = (([], planned("cross_step", mode, refused)) if refused else
-                       plan_deferral(graph.as_graph_def(add_shapes=True), own, mode))
+                       plan_deferral(graph.as_graph_def(add_shapes=True), own, mode,
+                                     variables=variable_ops(graph, own, list(variables))))
     chunks, decision = _plans[key]
     deferral.decision.update(decision, api="tape")
     if not deferral.keep(chunks, len(own)):

@@ -7,16 +7,46 @@ from tfoverlap.horovod.core.decisions import planned
 from tfoverlap.horovod.settings import caramel_options, decoupled_network
 from tfoverlap.log import logger
 
-__all__ = ["plan_deferral", "plan_decoupling"]
+__all__ = ["plan_deferral", "plan_decoupling", "variable_ops"]
 
 
-def plan_deferral(graph_def, own: dict, mode,
-                  drain_every: int = 0) -> tuple[list[list[int]], dict]:
+def variable_ops(graph, own: dict, variables) -> dict:
+    """AllReduce name -> the op in ``graph`` that holds the variable its gradient updates
+    (``own``: AllReduce name -> index into ``variables``), for the plan to see what the
+    next forward pass reads before the updates are built: a graph's variable handle, or in
+    a function (and a loop body inside it) the placeholder that captures it, directly or
+    through an outer function's. Variables not found are left out."""
+    chain = []
+    current = graph
+    while current is not None and hasattr(current, "captures"):
+        chain.append(current)
+        current = getattr(current, "outer_graph", None)
+    found = {}
+    for name, index in own.items():
+        try:
+            tensor = variables[index].handle
+        except (AttributeError, NotImplementedError):      # a reference variable
+            continue
+        known = [tensor]
+        for level in reversed(chain):        # the outermost function first
+            inner = next((inner for outer, inner in level.captures
+                          if any(outer is seen for seen in known)), None)
+            if inner is not None:
+                known.append(inner)
+        if getattr(known[-1], "graph", None) is graph:
+            found[name] = known[-1].op.name
+    return found
+
+
+def plan_deferral(graph_def, own: dict, mode, drain_every: int = 0,
+                  variables: dict | None = None) -> tuple[list[list[int]], dict]:
     """(chunks of the reductions to defer to the next step, the decision). ``own``: this
     optimizer's HorovodAllreduce nodes in ``graph_def`` -> the indices chunks hold. ``mode``
     "auto" defers where the step gains min_gain over the in-step plan; True wherever a
     reduction fits under the next forward pass. ``drain_every`` N: the deferred reductions
-    are exposed once every N steps (Keras' drain), charged to each step. The plan compares deferring the
+    are exposed once every N steps (Keras' drain), charged to each step. ``variables``:
+    AllReduce name -> the op of its variable (:func:`variable_ops`), for graphs whose
+    updates are not built yet. The plan compares deferring the
     gradients ready last with deferring those the next forward pass needs last
     (:func:`tfoverlap.planning.caramel.plan_cross_step`). Without a plan, nothing is
     deferred, with a warning."""
@@ -26,7 +56,8 @@ def plan_deferral(graph_def, own: dict, mode,
     chunks = []
     try:
         options = parse_options(caramel_options())
-        plan, cross = plan_cross_step_for_graph(graph_def, options, set(own), drain_every)
+        plan, cross = plan_cross_step_for_graph(graph_def, options, set(own), drain_every,
+                                                variables)
         in_step, predicted = cross.in_step, cross.predicted_step
         gain = 1.0 - predicted / in_step if in_step > 0 else 0.0
         decision.update(in_step_ms=round(in_step * 1e3, 3),
