@@ -466,16 +466,19 @@ def bound_block(files: dict) -> str:
     """Cross-step overlap's bound table: per emulated Horovod run whose plan priced its
     candidates (``deferral_candidates_ms``), the steps predicted for Horovod, the in-step
     plan, the readiness suffix and next-forward need, the steps measured for Horovod and
-    tfoverlap, and the ideal max(comm, comp) of the configuration's TF1 comm-only and
-    compute-only runs (same model, ranks and link)."""
+    tfoverlap, and the configuration's comm/comp and ideal max(comm, comp) from its latest
+    run with comm-only and compute-only steps (same model, ranks and link; "-" where no
+    run measured them)."""
     system = next(s for s in SYSTEMS if s.file == "horovod-emulated.json")
     rows = files.get(system.file) or []
     ids = run_ids(files)
-    bounds = {}
+    ratios, bounds = {}, {}
     for row in sorted(rows, key=_recency):
+        where = (row["model"], row["workers"], row["link"])
+        if row.get("comm_over_comp") is not None:
+            ratios[where] = row["comm_over_comp"]
         if row.get("comm_s") is not None and row.get("comp_s") is not None:
-            bounds[(row["model"], row["workers"], row["link"])] = (row["comm_s"],
-                                                                   row["comp_s"])
+            bounds[where] = max(row["comm_s"], row["comp_s"])
     lines = ["| model | API | ranks | link | comm/comp | Horovod | in-step | readiness "
              "suffix | next-forward need | chosen | measured Horovod | measured tfoverlap "
              "| ideal max(comm, comp) | run |",
@@ -487,17 +490,17 @@ def bound_block(files: dict) -> str:
                and configuration(r) == configuration(row)]
         horovod = next((r for r in run if r["variant"] == system.baseline), {})
         candidates = {name: ms / 1e3 for name, ms in row["deferral_candidates_ms"].items()}
-        comm, comp = bounds.get((row["model"], row["workers"], row["link"]), (None, None))
-        ratio = f"{comm / comp:.2f}" if comm is not None else "-"
-        ideal = _ms(max(comm, comp)) if comm is not None else "-"
+        where = (row["model"], row["workers"], row["link"])
+        ratio = f"{ratios[where]:.2f}" if where in ratios else "-"
+        ideal = _ms(bounds.get(where))
         run_id = ids.get((system.file, *run_of(row)), "")
         lines.append(
             f"| {model_text(row, system)} | {api_text(row)} | {row['workers']} | "
             f"{link_text(row['link'])} | {ratio} | {_ms(horovod.get('predicted_s'))} | "
             f"{_ms(candidates.get('in-step'))} | {_ms(candidates.get('readiness suffix'))} | "
             f"{_ms(candidates.get('next-forward need'))} | "
-            f"`{row['variant']}`: {row.get('deferral_order', '-')} | "
-            f"{_ms(horovod.get('median_s'))} | {_ms(row['median_s'])} "
+            f"`{row['variant']}`: {row.get('deferral_order') or 'nothing deferred'} | "
+            f"{_ms(horovod.get('iteration_s'))} | {_ms(row['iteration_s'])} "
             f"({bound(row['speedup'])}x) | {ideal} | [{run_id}](#reproduce) |")
     if not planned:
         return "No run has priced its cross-step candidates yet."

@@ -335,14 +335,14 @@ def summarize(result: dict) -> list[dict]:
         deferral = caramel.get("cross_step") or {}
         if deferral.get("drain_ms"):        # one drain per call, in the rows' time unit
             rows[-1]["drain_ms"] = deferral["drain_ms"] * scale
+        if deferral.get("candidates_ms"):      # priced, whether or not it deferred
+            rows[-1]["deferral_candidates_ms"] = {
+                order: step * scale for order, step in deferral["candidates_ms"].items()}
         if deferral.get("deferred"):
             rows[-1].update(deferred_gradients=deferral["deferred"],
                             deferred_mb=deferral.get("deferred_bytes", 0) / 1e6,
                             deferral_order=deferral.get("order", ""),
-                            deferred_chunks=len(deferral.get("chunks") or []),
-                            deferral_candidates_ms={
-                                order: step * scale for order, step in
-                                (deferral.get("candidates_ms") or {}).items()})
+                            deferred_chunks=len(deferral.get("chunks") or []))
         decoupled = caramel.get("decouple") or {}
         if decoupled.get("decoupled"):
             rows[-1].update(decoupled_gradients=decoupled["decoupled"],

@@ -31,7 +31,8 @@ def write_csv(rows: list[dict], path: str) -> None:
         writer.writerows(rows)
 
 
-RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "transfer_span_s", "declined",
+RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "comm_s", "comp_s",
+                "transfer_span_s", "declined",
                 "emulated", "dilation", "host_busy", "worker_cpu_share", "breakdown",
                 "predicted_s", "prediction_error", "round_low", "round_high",
                 "deferred_gradients", "deferred_mb", "deferral_order", "deferred_chunks",
