@@ -114,13 +114,15 @@ def test_bad_benchmark_options_are_one_line_errors(capsys):
     assert ps.main(["--emulate", "v100", "--variants", "default,replay"]) == 2
     assert ps.main(["--emulate", "t1000"]) == 2
     assert ps.main(["--trace-after", "-1"]) == 2
+    assert ps.main(["--until-ci", "1.5"]) == 2
     from tfoverlap.bench import ps_strategy
     assert ps_strategy.main(["--models", "resnet50", "--variants", "default,tac"]) == 2
     assert ps_strategy.main(["--models", "seq32"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 10 and all(line.startswith("tfoverlap bench: ") for line in errors)
+    assert len(errors) == 11 and all(line.startswith("tfoverlap bench: ") for line in errors)
     assert "--trace-after must be >= 0" in errors[7]
-    assert "TAC needs a profile" in errors[8] and "not seq32" in errors[9]
+    assert "--until-ci must be in [0, 1)" in errors[8]
+    assert "TAC needs a profile" in errors[9] and "not seq32" in errors[10]
 
 
 def test_the_colocated_layout_takes_a_ps_task_per_worker(capsys):
@@ -470,6 +472,66 @@ def test_horovod_rows_carry_the_step_caramel_predicted_for_each_variant(tmp_path
     report.write_result_rows(list(rows.values()), path)
     text = open(path).read()
     assert "NaN" not in text and json.loads(text)[0]["comm_over_comp"] is None
+
+
+def test_a_caramel_row_that_changed_nothing_says_it_stepped_aside():
+    """A Keras or tape row with nothing deferred, or a graph row whose in-step buckets
+    declined and nothing deferred, ran Horovod's own schedule: the row says so and why; a
+    row that deferred did not step aside."""
+    from tfoverlap.bench import allreduce
+    times = {"horovod": [0.4] * 3, "horovod_again": [0.4] * 3, "caramel": [0.4] * 3}
+    keras = {"model": "m", "batch": 4, "bandwidth": 1e9, "ranks": 4, "times": times,
+             "cpu": {}, "tensors": 3, "parameter_bytes": 1e6, "api": "keras",
+             "steps_per_execution": 4, "caramel": {"caramel": {"cross_step": {
+                 "deferred": 0, "reason": "deferring would take the step from 80 to 79 ms "
+                                          "(+1.0%), below min_gain 3.0%"}}}}
+    rows = {row["variant"]: row for row in allreduce.summarize(keras)}
+    assert rows["caramel"]["stepped_aside"].startswith("deferring would take the step")
+    assert "stepped_aside" not in rows["horovod_again"]
+    assert "caramel (stepped aside: deferring" in allreduce.markdown_table(list(rows.values()))
+    keras["caramel"]["caramel"]["cross_step"] = {"deferred": 12, "deferred_bytes": 2e6,
+                                                 "order": "next-forward need",
+                                                 "chunks": [8, 4], "predicted_step_ms": 700}
+    rows = {row["variant"]: row for row in allreduce.summarize(keras)}
+    assert "stepped_aside" not in rows["caramel"]
+    assert allreduce.what_it_did(rows["caramel"]) == (
+        "deferred 12 gradients (2.0 MB) under the next step's forward pass (next-forward "
+        "need, 2 requests); step predicted 700.0 ms, measured 400.0 ms")
+    graph = {**keras, "api": None, "caramel": {"caramel": {
+        "declined": "Horovod's own fusion is as fast", "predicted_horovod_step_s": 0.5}}}
+    rows = {row["variant"]: row for row in allreduce.summarize(graph)}
+    assert rows["caramel"]["stepped_aside"] == "Horovod's own fusion is as fast"
+
+
+def test_a_ps_run_measures_until_its_intervals_are_narrow_or_its_budget_is_spent():
+    """--until-ci: rounds go on after --rounds while a speed-up's interval is wider than
+    asked, and stop when it is narrow enough or the time budget is spent, saying which."""
+    from tfoverlap.bench import ps
+
+    class Workers:
+        """Two workers whose steps take fixed times, with noise in the first rounds."""
+        def __init__(self, noisy_rounds):
+            self.calls, self.noisy_rounds = 0, noisy_rounds
+
+        def ask(self, command):
+            self.calls += 1
+            round_index = (self.calls - 1) // 2
+            base = 1.0 if command["variant"] == "default" else 0.8
+            spread = 0.3 if round_index < self.noisy_rounds else 0.0
+            return [{"times": [base - spread, base + spread], "cpu": [0.1, 0.1]}
+                    for _ in range(2)]
+
+    narrow = ps.measure_rounds(Workers(noisy_rounds=3), ("default", "tic"), 2, 2, "m", 1.0,
+                               until_ci=0.05, budget_s=60)
+    assert narrow["precision"]["reached"] and narrow["precision"]["rounds"] > 2
+    assert narrow["precision"]["widest"] <= 0.05
+    assert ps.widest_interval(narrow["times"]) == narrow["precision"]["widest"]
+    spent = ps.measure_rounds(Workers(noisy_rounds=10 ** 6), ("default", "tic"), 2, 2, "m",
+                              1.0, until_ci=0.05, budget_s=0)
+    assert not spent["precision"]["reached"] and spent["precision"]["rounds"] == 2
+    plain = ps.measure_rounds(Workers(noisy_rounds=10 ** 6), ("default", "tic"), 2, 2, "m",
+                              1.0)
+    assert "precision" not in plain and len(plain["times"]["tic"]) == 8
 
 
 @pytest.mark.slow

@@ -10,3 +10,54 @@ def test_a_speed_up_is_bold_only_where_its_interval_leaves_out_one():
     # An A/A row, or a variant that stepped aside: the interval holds 1, so no bold.
     assert speedup_cell({"speedup": 1.004, "ci_low": 0.97, "ci_high": 1.03},
                         "; rounds 0.97-1.02") == "1.00x (0.97-1.03; rounds 0.97-1.02)"
+
+
+def test_a_variant_that_stepped_aside_says_so_and_its_number_is_noise():
+    """The emulated demo row of TIC (declined, TensorFlow's own graph) once read
+    "**0.85x**": now its cell says it stepped aside and why, its number is marked as noise
+    and is never bold, even where the interval leaves out 1."""
+    from tfoverlap.bench.report import short_reason, summary_lines, variant_cell
+    aside = {"model": "resnet50", "mode": "training", "link": "10Gbit", "workers": 4,
+             "variant": "tic", "speedup": 0.85, "ci_low": 0.80, "ci_high": 0.90,
+             "stepped_aside": short_reason(
+                 "the PS links are saturated: ordering their transfers gains nothing here; "
+                 "TensorFlow's order kept")}
+    assert aside["stepped_aside"] == ("the PS links are saturated: ordering their "
+                                      "transfers gains...")
+    assert variant_cell(aside) == f"tic (stepped aside: {aside['stepped_aside']})"
+    assert speedup_cell(aside) == "noise: 0.85x (0.80-0.90)"
+    again = {**aside, "variant": "default_again", "speedup": 1.02, "ci_low": 0.97,
+             "ci_high": 1.06, "stepped_aside": ""}
+    acted = {**aside, "variant": "tac", "speedup": 1.15, "ci_low": 1.10, "ci_high": 1.21,
+             "stepped_aside": ""}
+    default = {**aside, "variant": "default", "speedup": 1.0, "stepped_aside": ""}
+    (line,) = summary_lines([default, again, aside, acted], "default")
+    assert line.startswith("resnet50 training 4 workers 10Gbit: ")
+    assert "A/A 1.02x (0.97-1.06)" in line and "tac 1.15x (1.10-1.21)" in line
+    assert "tic stepped aside (the PS links are saturated" in line and "is noise" in line
+    assert variant_cell(acted) == "tac"
+
+
+def test_the_speed_up_plot_marks_the_bars_of_variants_that_stepped_aside(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+    from tfoverlap.bench.report import plot_speedups
+    rows = [{"model": "m", "mode": "training", "link": "10Gbit", "variant": variant,
+             "speedup": speedup, "ci_low": speedup - 0.05, "ci_high": speedup + 0.05,
+             "stepped_aside": aside}
+            for variant, speedup, aside in (("default", 1.0, ""), ("tic", 0.9, "no gain"),
+                                            ("tac", 1.2, ""))]
+    texts = []
+    original = pyplot.Axes.text
+
+    def recording(axes, x, y, text, *args, **kwargs):
+        texts.append(text)
+        return original(axes, x, y, text, *args, **kwargs)
+    pyplot.Axes.text = recording
+    try:
+        plot_speedups(rows, str(tmp_path / "speedups.png"))
+    finally:
+        pyplot.Axes.text = original
+    assert texts == ["stepped aside: noise"]
+    assert (tmp_path / "speedups.png").stat().st_size > 0

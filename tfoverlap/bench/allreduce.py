@@ -43,7 +43,7 @@ import sys
 from tfoverlap.bench.allreduce_worker import CARAMEL_VARIANTS
 from tfoverlap.bench.dilation import FIRST_DILATION, next_dilation, parse_dilation
 from tfoverlap.bench.ps import link_name
-from tfoverlap.bench.report import progress, speedup_cell
+from tfoverlap.bench.report import progress, speedup_cell, summary_lines, variant_cell
 from tfoverlap.options import parse_bandwidth
 
 __all__ = ["DEFAULT_BATCH", "run_configuration", "summarize", "main"]
@@ -291,6 +291,25 @@ def _round_ratios(baseline: list, variant: list, per_round: int | None) -> list[
             for i in range(0, len(baseline), per_round)]
 
 
+def _stepped_aside(result: dict, name: str, caramel: dict) -> str:
+    """Why a Caramel variant ran Horovod's own schedule ("" where it changed something):
+    nothing deferred or decoupled, and in graph mode its in-step buckets declined too."""
+    from tfoverlap.bench.report import short_reason
+    if name not in CARAMEL_VARIANTS or not caramel:
+        return ""
+    deferral = caramel.get("cross_step") or {}
+    decoupled = caramel.get("decouple") or {}
+    if deferral.get("deferred") or decoupled.get("decoupled"):
+        return ""
+    in_step = result.get("api") in ("keras", "tape") or caramel.get("declined")
+    if not in_step:
+        return ""
+    reason = deferral.get("reason") or decoupled.get("reason")
+    if not reason and isinstance(caramel.get("declined"), str):
+        reason = caramel["declined"]
+    return short_reason(reason or "nothing deferred")
+
+
 def summarize(result: dict) -> list[dict]:
     """One row per variant: median step, spread, speed-up over Horovod's defaults, and
     the step Caramel's simulation predicted for it (``predicted_s``, where it predicts one)."""
@@ -348,6 +367,9 @@ def summarize(result: dict) -> list[dict]:
             rows[-1].update(decoupled_gradients=decoupled["decoupled"],
                             reduce_scatter_buckets=len(decoupled.get("buckets", [])),
                             gather_requests=len(decoupled.get("gathers", [])))
+        aside = _stepped_aside(result, name, caramel)
+        if aside:
+            rows[-1]["stepped_aside"] = aside
         if math.isfinite(predicted):
             rows[-1].update(predicted_s=predicted,
                             prediction_error=predicted / spread.median - 1)
@@ -356,6 +378,23 @@ def summarize(result: dict) -> list[dict]:
             rows[-1]["breakdown"] = {key: value * (1 if key == "requests" else scale)
                                      for key, value in breakdown.items()}
     return rows
+
+
+def what_it_did(row: dict) -> str:
+    """What a Caramel variant changed, and the step predicted and measured for it ("" for
+    a row that changed nothing)."""
+    if row.get("deferred_gradients"):
+        did = (f"deferred {row['deferred_gradients']} gradients "
+               f"({row.get('deferred_mb', 0):.1f} MB) under the next step's forward pass"
+               + (f" ({row['deferral_order']}, {row.get('deferred_chunks', 0)} requests)"
+                  if row.get("deferral_order") else ""))
+    elif row.get("decoupled_gradients"):
+        did = f"decoupled {row['decoupled_gradients']} gradients"
+    else:
+        return ""
+    predicted = row.get("predicted_s", math.nan)
+    return (did + (f"; step predicted {predicted * 1e3:.1f} ms" if predicted == predicted
+                   else "") + f", measured {row['median_s'] * 1e3:.1f} ms")
 
 
 def breakdown_table(rows: list[dict]) -> str:
@@ -381,8 +420,9 @@ def markdown_table(rows: list[dict]) -> str:
              "comm/comp | E | predicted s (error) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         speedup = "1.00x" if row["variant"] == "horovod" else speedup_cell(row)
-        variant = row["variant"] + (f" ({row['caramel_buckets']} buckets)"
-                                    if row["caramel_buckets"] != "" else "")
+        variant = variant_cell(row) + (f" ({row['caramel_buckets']} buckets)"
+                                       if row["caramel_buckets"] != ""
+                                       and not row.get("stepped_aside") else "")
         efficiency = row["efficiency"]
         predicted = row.get("predicted_s", math.nan)
         prediction = ("n/a" if predicted != predicted
@@ -510,6 +550,11 @@ def main(argv=None) -> int:
                   f"{result['host_busy']:.0%} busy while timing")
     print(markdown_table(rows))
     print(breakdown_table(rows))
+    for line in summary_lines(rows, "horovod"):
+        print(line)
+    for row in rows:
+        if what_it_did(row):
+            print(f"{row['model']} {row['link']} {row['variant']}: {what_it_did(row)}")
     print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
           "rows.json, speedups.png, timeline-*.png")
     return 0

@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 import sys
 
 from tfoverlap.bench.dilation import (FIRST_DILATION, busy_fraction, cpu_sample, next_dilation,
@@ -176,8 +177,10 @@ def variant_spec(name: str, workdir: str, task: int, config: Configuration) -> d
 
 def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: int = 5,
                       steps: int = 3, traces: int = 3, workdir: str = "/tmp",
-                      timeout: float = 900.0, trace_after: int = 0) -> dict:
-    """Runs one configuration on a fresh emulated network; returns the raw measurements.
+                      timeout: float = 900.0, trace_after: int = 0, until_ci: float = 0.0,
+                      budget_s: float = 0.0) -> dict:
+    """Runs one configuration on a fresh emulated network; returns the raw measurements
+    (``until_ci``, ``budget_s``: :func:`measure_rounds`').
 
     Each traced step is the one after ``trace_after`` untraced steps of a block started on
     every worker at once: 0 traces a lock-step first step, more a step of workers that have
@@ -242,7 +245,8 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
                   "iterations")
         comm = [t for a in workers.ask({"cmd": "comm", "steps": steps}) for t in a["times"]]
         comp = [t for a in workers.ask({"cmd": "comp", "steps": steps}) for t in a["times"]]
-        measured = measure_rounds(workers, variants, rounds, steps, config.label, dilation)
+        measured = measure_rounds(workers, variants, rounds, steps, config.label, dilation,
+                                  until_ci, budget_s)
         traced = {name: [workers.ask({"cmd": "trace", "variant": name,
                                       "after": trace_after})
                          for _ in range(traces)] for name in variants}
@@ -256,17 +260,39 @@ def run_configuration(config: Configuration, variants=DEFAULT_VARIANTS, rounds: 
             "traces": traced}
 
 
+def widest_interval(times: dict, baseline: str = "default") -> float:
+    """The widest 95% interval of a variant's speed-up over ``baseline``, as a share of
+    the speed-up (the larger side): how far the run is from telling its variants apart."""
+    from tfoverlap.bench import metrics
+    widths = []
+    for name, values in times.items():
+        if name == baseline or not values:
+            continue
+        ratio, low, high = metrics.speedup(times[baseline], values)
+        widths.append(max(high / ratio - 1.0, 1.0 - low / ratio))
+    return max(widths, default=0.0)
+
+
 def measure_rounds(workers, variants, rounds: int, steps: int, label: str,
-                   dilation: float) -> dict:
+                   dilation: float, until_ci: float = 0.0, budget_s: float = 0.0) -> dict:
     """The timed blocks: every round runs a block of ``steps`` steps of each variant on
     every worker (the variants' order rotated by one each round, so slow phases of a noisy
-    machine hit all alike). Returns the step wall times and CPU times per variant, each
-    block's mean per worker (``blocks``), and how busy the host's CPUs were."""
+    machine hit all alike). With ``until_ci`` (a share, 0.05 for +-5%), rounds go on after
+    ``rounds`` until every variant's interval is that narrow or ``budget_s`` seconds of
+    measuring are spent (``precision`` says which). Returns the step wall times and CPU
+    times per variant, each block's mean per worker (``blocks``), and how busy the host's
+    CPUs were."""
     times = {name: [] for name in variants}
     cpu = {name: [] for name in variants}
     blocks = {name: [] for name in variants}
     before = cpu_sample()
-    for round_index in range(rounds):
+    began = time.monotonic()
+    round_index = 0
+    while True:
+        if round_index >= rounds:
+            width = widest_interval(times)
+            if not until_ci or width <= until_ci or time.monotonic() - began >= budget_s:
+                break
         shift = round_index % len(variants)
         for name in variants[shift:] + variants[:shift]:
             answers = workers.ask({"cmd": "steps", "variant": name, "steps": steps})
@@ -276,9 +302,17 @@ def measure_rounds(workers, variants, rounds: int, steps: int, label: str,
             blocks[name].append([sum(a["times"]) / len(a["times"]) for a in answers])
         summary = ", ".join(f"{name} {statistics.median(values) / dilation:.3f}s"
                             for name, values in times.items())
-        progress(f"{label}: round {round_index + 1}/{rounds}: {summary}")
-    return {"times": times, "cpu": cpu, "blocks": blocks,
-            "host_busy": busy_fraction(before, cpu_sample())}
+        round_index += 1
+        progress(f"{label}: round {round_index}/{rounds}{'+' if until_ci else ''}: "
+                 f"{summary}")
+    measured = {"times": times, "cpu": cpu, "blocks": blocks,
+                "host_busy": busy_fraction(before, cpu_sample())}
+    if until_ci:
+        width = widest_interval(times)
+        measured["precision"] = {"target": until_ci, "widest": width, "rounds": round_index,
+                                 "seconds": time.monotonic() - began,
+                                 "reached": width <= until_ci}
+    return measured
 
 
 def choose_dilation(workers, network, config: Configuration, dilation: float,
@@ -307,6 +341,7 @@ def timing_row(result: dict, name: str, rounds: int) -> dict:
     emulated time where emulated) against the default's, by round too, comm/comp, E and
     what the pass did; the part of a row that the TF1 and the TF2 jobs share."""
     from tfoverlap.bench import metrics
+    from tfoverlap.bench.report import short_reason
     config = result["config"]
     scale = 1.0 / result.get("dilation", 1.0)     # emulated runs: wall time -> emulated time
     comm = statistics.median(result["comm"]) * scale
@@ -335,6 +370,7 @@ def timing_row(result: dict, name: str, rounds: int) -> dict:
         "ordering_edges": passes.get("ordering_edges", ""),
         "gates": passes.get("gates", ""),
         "declined": bool(passes.get("declined")),
+        "stepped_aside": short_reason(passes["declined"]) if passes.get("declined") else "",
         "pass_link": passes.get("link", ""),
     }
 
@@ -473,6 +509,11 @@ def main(argv=None, api=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per block")
     parser.add_argument("--traces", type=int, default=3, help="traced steps per variant")
+    parser.add_argument("--until-ci", type=float, default=0.0,
+                        help="TF1: after --rounds, more rounds until every speed-up's 95%% "
+                             "interval is within this share (0.05: +-5%%), or --budget-s")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="with --until-ci: the seconds of measuring to stop after")
     parser.add_argument("--trace-after", type=int, default=0,
                         help="trace the step after this many untraced steps of a block "
                              "(TF1 only; 0: the block's lock-step first step)")
@@ -497,6 +538,10 @@ def main(argv=None, api=None) -> int:
             raise ValueError("--ps, --workers, --rounds, --steps and --traces must be >= 1")
         if args.trace_after < 0:
             raise ValueError("--trace-after must be >= 0")
+        if not 0 <= args.until_ci < 1 or args.budget_s < 0:
+            raise ValueError("--until-ci must be in [0, 1) and --budget-s >= 0")
+        if api is not None and args.until_ci:
+            raise ValueError("--until-ci is for the TF1 benchmark")
         if api is not None and args.trace_after:
             raise ValueError("--trace-after is for the TF1 benchmark; the TF2 job traces "
                              "its steps with the profiler")
@@ -535,7 +580,8 @@ def main(argv=None, api=None) -> int:
         else:
             result = run_configuration(config, variants, rounds=args.rounds, steps=args.steps,
                                        traces=args.traces, workdir=workdir,
-                                       trace_after=args.trace_after)
+                                       trace_after=args.trace_after,
+                                       until_ci=args.until_ci, budget_s=args.budget_s)
             results.append(result)
             rows.extend(summarize(result))
             plot_step_timelines(config, result,
@@ -565,7 +611,17 @@ def main(argv=None, api=None) -> int:
                   f"{result['dilation']:g} (links shaped to 1/{result['dilation']:g} of the "
                   f"emulated rate; times in emulated seconds); host CPUs "
                   f"{result['host_busy']:.0%} busy while measuring")
+        precision = result.get("precision")
+        if precision:
+            print(f"{config['model']} {mode}: {precision['rounds']} rounds in "
+                  f"{precision['seconds']:.0f} s: "
+                  + (f"every interval within +-{precision['target']:.0%}"
+                     if precision["reached"] else
+                     f"time budget spent; widest interval +-{precision['widest']:.1%} "
+                     f"(target +-{precision['target']:.0%})"))
     print(report.markdown_table(rows))
+    for line in report.summary_lines(rows, "default"):
+        print(line)
     print(f"results: {os.path.abspath(args.out)}/results.md, results.csv, results.json, "
           "rows.json; plots: speedups.png" + (", timeline-*.png" if api is None else ""))
     return 0

@@ -9,7 +9,8 @@ import sys
 import time
 
 __all__ = ["progress", "write_csv", "write_result_rows", "markdown_table", "speedup_cell",
-           "plot_speedups", "plot_timelines", "RESULT_FIELDS"]
+           "variant_cell", "stepped_aside", "summary_lines", "plot_speedups",
+           "plot_timelines", "RESULT_FIELDS"]
 
 #: The fields of a row in docs/results/*.json (every benchmark writes them).
 RESULT_FIELDS = ("model", "mode", "workers", "link", "variant", "iteration_s", "speedup",
@@ -32,7 +33,7 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "comm_s", "comp_s",
-                "transfer_span_s", "declined",
+                "transfer_span_s", "declined", "stepped_aside",
                 "emulated", "dilation", "host_busy", "worker_cpu_share", "breakdown",
                 "predicted_s", "prediction_error", "round_low", "round_high",
                 "deferred_gradients", "deferred_mb", "deferral_order", "deferred_chunks",
@@ -87,14 +88,68 @@ def _number(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+#: how long a stepped-aside reason may be where a number is shown
+_REASON_CHARS = 60
+
+
+def short_reason(reason: str) -> str:
+    """A pass's reason for stepping aside, short enough for a table cell or a bar label:
+    its first clause, cut at a word."""
+    text = " ".join(str(reason).split()).split("; ")[0].rstrip(".")
+    if len(text) <= _REASON_CHARS:
+        return text
+    return text[:_REASON_CHARS].rsplit(" ", 1)[0] + "..."
+
+
+def stepped_aside(row: dict) -> str:
+    """Why the row's pass stepped aside ("" where it acted): such a variant ran the
+    baseline's own schedule, so its speed-up is the run's noise."""
+    return row.get("stepped_aside") or ""
+
+
+def variant_cell(row: dict) -> str:
+    """The variant's name, and where its pass stepped aside, that and why."""
+    reason = stepped_aside(row)
+    return f"{row['variant']} (stepped aside: {reason})" if reason else row["variant"]
+
+
 def speedup_cell(row: dict, detail: str = "") -> str:
     """A variant's speed-up with its 95% interval (and ``detail``: the range over rounds),
     in bold only where the interval leaves out 1: a speed-up that could be noise is not
-    shown as a result."""
+    shown as a result. A variant that stepped aside is marked as noise, never bold."""
     text = f"{row['speedup']:.2f}x"
-    if row["ci_low"] > 1 or row["ci_high"] < 1:
+    if stepped_aside(row):
+        text = f"noise: {text}"
+    elif row["ci_low"] > 1 or row["ci_high"] < 1:
         text = f"**{text}**"
     return f"{text} ({row['ci_low']:.2f}-{row['ci_high']:.2f}{detail})"
+
+
+def summary_lines(rows: list[dict], baseline: str) -> list[str]:
+    """One line per configuration: each variant's speed-up over ``baseline`` with its
+    interval, a variant that stepped aside said so (its number is noise), and the A/A
+    variant (``baseline``_again) named as the noise band."""
+    lines = []
+    keys = ("model", "mode", "link", "workers", "api")
+    for config in dict.fromkeys(tuple(row.get(k) for k in keys) for row in rows):
+        parts = []
+        for row in rows:
+            if tuple(row.get(k) for k in keys) != config or row["variant"] == baseline:
+                continue
+            if row["variant"] in ("compute_only", "comm_only"):
+                continue
+            interval = f"({row['ci_low']:.2f}-{row['ci_high']:.2f})"
+            if row["variant"] == f"{baseline}_again":
+                parts.append(f"A/A {row['speedup']:.2f}x {interval}")
+            elif stepped_aside(row):
+                parts.append(f"{row['variant']} stepped aside ({stepped_aside(row)}): "
+                             f"{row['speedup']:.2f}x {interval} is noise")
+            else:
+                parts.append(f"{row['variant']} {row['speedup']:.2f}x {interval}")
+        model, mode, link, workers, api = config
+        where = " ".join(str(v) for v in (model, mode, api, f"{workers} workers", link) if v)
+        lines.append(f"{where}: " + "; ".join(parts))
+    return lines
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -111,7 +166,7 @@ def markdown_table(rows: list[dict]) -> str:
                    else "1.00x")
         lines.append(
             f"| {row['model']} | {row['mode']} | {row['batch']} | {row['link']} "
-            f"| {row['variant']} | {row['median_s']:.3f} ({row['p10_s']:.3f}-{row['p90_s']:.3f}) "
+            f"| {variant_cell(row)} | {row['median_s']:.3f} ({row['p10_s']:.3f}-{row['p90_s']:.3f}) "
             f"| {row['samples_per_s']:.1f} | {speedup} | "
             f"{row['comm_s']:.2f}/{row['comp_s']:.2f} = {row['comm_over_comp']:.2f} | "
             f"{_number(row['efficiency'])} | {_straggler(row)} | {_orders(row)} |")
@@ -142,7 +197,7 @@ def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
     width = 0.8 / max(1, len(variants))
     figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(configurations) + 2), 4))
     for index, variant in enumerate(variants):
-        xs, heights, errors = [], [], [[], []]
+        xs, heights, errors, asides = [], [], [[], []], []
         for position, configuration in enumerate(configurations):
             row = next((r for r in rows if (r["model"], r["mode"], r["link"]) == configuration
                         and r["variant"] == variant), None)
@@ -152,7 +207,14 @@ def plot_speedups(rows: list[dict], path: str, baseline: str = "default",
             heights.append(row["speedup"])
             errors[0].append(row["speedup"] - row["ci_low"])
             errors[1].append(row["ci_high"] - row["speedup"])
-        axes.bar(xs, heights, width, yerr=errors, capsize=3, label=variant)
+            asides.append(bool(stepped_aside(row)))
+        bars = axes.bar(xs, heights, width, yerr=errors, capsize=3, label=variant)
+        for bar, aside in zip(bars, asides):
+            if aside:       # the baseline's own schedule: its bar is the run's noise
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
+                axes.text(bar.get_x() + bar.get_width() / 2, 0.05, "stepped aside: noise",
+                          rotation=90, ha="center", va="bottom", fontsize="x-small")
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks(range(len(configurations)))
     axes.set_xticklabels([f"{model}\n{mode}\n{link}" for model, mode, link in configurations])
