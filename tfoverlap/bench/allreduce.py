@@ -386,7 +386,8 @@ def what_it_did(row: dict) -> str:
     if row.get("deferred_gradients"):
         did = (f"deferred {row['deferred_gradients']} gradients "
                f"({row.get('deferred_mb', 0):.1f} MB) under the next step's forward pass"
-               + (f" ({row['deferral_order']}, {row.get('deferred_chunks', 0)} requests)"
+               + (f" ({row['deferral_order']}, {row.get('deferred_chunks', 0)} "
+                  f"request{'s' if row.get('deferred_chunks') != 1 else ''})"
                   if row.get("deferral_order") else ""))
     elif row.get("decoupled_gradients"):
         did = f"decoupled {row['decoupled_gradients']} gradients"

@@ -147,7 +147,8 @@ def summary_lines(rows: list[dict], baseline: str) -> list[str]:
             else:
                 parts.append(f"{row['variant']} {row['speedup']:.2f}x {interval}")
         model, mode, link, workers, api = config
-        where = " ".join(str(v) for v in (model, mode, api, f"{workers} workers", link) if v)
+        hosts = f"{workers} ranks" if baseline == "horovod" else f"{workers} workers"
+        where = " ".join(str(v) for v in (model, mode, api, hosts, link) if v)
         lines.append(f"{where}: " + "; ".join(parts))
     return lines
 
