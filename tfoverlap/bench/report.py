@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -94,8 +95,15 @@ _REASON_CHARS = 60
 
 def short_reason(reason: str) -> str:
     """A pass's reason for stepping aside, short enough for a table cell or a bar label:
-    its first clause, cut at a word."""
-    text = " ".join(str(reason).split()).split("; ")[0].rstrip(".")
+    the part that says what it would gain (a long reason leads with its inputs), else its
+    first clause, cut at a word."""
+    clauses = " ".join(str(reason).split()).split("; ")
+    clause = next((c for c in clauses if "gain" in c), clauses[0])
+    text = next((part for part in reversed(clause.split(": ")) if "gain" in part),
+                clause).rstrip(".")
+    predicted = re.search(r"\(([-+][\d.]+%)\), below min_gain ([\d.]+%)", text)
+    if predicted:       # "... would take the step from A to B ms (+1.0%), below min_gain 3%"
+        text = f"predicted {predicted.group(1)}, below min_gain {predicted.group(2)}"
     if len(text) <= _REASON_CHARS:
         return text
     return text[:_REASON_CHARS].rsplit(" ", 1)[0] + "..."
