@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=DEMO_MODELS)
     parser.add_argument("--horovod-model", default=DEMO_HOROVOD_MODEL)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--emulated-budget-s", type=float, default=150.0,
+    parser.add_argument("--emulated-budget-s", type=float, default=90.0,
                         help="part 2: seconds of measuring after which it stops short of "
                              "+-5%% intervals")
     parser.add_argument("--out", default="out/demo")
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             ("Horovod, emulated V100 ranks, Keras fit", allreduce.main, [
                 "--api", "keras", "--models", args.horovod_model, "--links", "25Gbit",
                 "--workers", "4", "--emulate", "v100", "--steps-per-execution", "4",
-                "--variants", "horovod,horovod_again,caramel", "--rounds", "3",
+                "--variants", "horovod,horovod_again,caramel", "--rounds", "2",
                 "--steps", "2", "--no-autotune", "--no-breakdown",
                 "--out", os.path.join(args.out, "horovod")])]
     timings = []
