@@ -550,7 +550,8 @@ def main(argv=None) -> int:
                   f"1/{result['dilation']:g}; times in emulated seconds); host CPUs "
                   f"{result['host_busy']:.0%} busy while timing")
     print(markdown_table(rows))
-    print(breakdown_table(rows))
+    if any(row.get("breakdown") for row in rows):
+        print(breakdown_table(rows))
     for line in summary_lines(rows, "horovod"):
         print(line)
     for row in rows:
