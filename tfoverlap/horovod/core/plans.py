@@ -46,8 +46,8 @@ def plan_deferral(graph_def, own: dict, mode, drain_every: int = 0,
     reduction fits under the next forward pass. ``drain_every`` N: the deferred reductions
     are exposed once every N steps (Keras' drain), charged to each step. ``variables``:
     AllReduce name -> the op of its variable (:func:`variable_ops`), for graphs whose
-    updates are not built yet. The plan compares deferring the
-    gradients ready last with deferring those the next forward pass needs last
+    updates are not built yet. The plan compares deferring the gradients ready last with
+    deferring those the next forward pass needs last
     (:func:`tfoverlap.planning.caramel.plan_cross_step`). Without a plan, nothing is
     deferred, with a warning."""
     from tfoverlap.options import parse_options
