@@ -306,10 +306,18 @@ def _writes_variable(op: str) -> bool:
     return op in _VARIABLE_WRITES or op.startswith(("Apply", "ResourceApply"))
 
 
-def _is_variable_input(graph_def, model: GraphModel, node: int) -> bool:
-    """A variable, or, in a tf.function's graph, a resource argument (a captured one)."""
-    return is_variable_op(model.ops[node]) or (
-        model.ops[node] == "_Arg" and "_handle_shapes" in graph_def.node[node].attr)
+_RESOURCE_DTYPE = 20      # DT_RESOURCE
+
+
+def is_variable_input(graph_def, model: GraphModel, node: int) -> bool:
+    """A variable, or, in a tf.function's graph, a resource argument or the placeholder
+    that captures a variable (a FuncGraph's own GraphDef)."""
+    op, attr = model.ops[node], graph_def.node[node].attr
+    if is_variable_op(op) or (op == "_Arg" and "_handle_shapes" in attr):
+        return True
+    dtype = attr.get("dtype" if op == "Placeholder" else "T")
+    return op in ("Placeholder", "_Arg") and dtype is not None and \
+        dtype.type == _RESOURCE_DTYPE
 
 
 def edge_bytes(graph_def, model: GraphModel, producer: int, consumer: int,
@@ -332,7 +340,7 @@ def edge_bytes(graph_def, model: GraphModel, producer: int, consumer: int,
         for node in frontier:
             if _writes_variable(model.ops[node]) and model.data_inputs[node]:
                 variable = model.data_inputs[node][0][0]
-                if _is_variable_input(graph_def, model, variable):
+                if is_variable_input(graph_def, model, variable):
                     return tensor_bytes(graph_def, model, variable)
             following += [c for c in consumers[node]
                           if c not in seen and model.devices[c] == model.devices[consumer]]

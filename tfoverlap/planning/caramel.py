@@ -22,7 +22,7 @@ from tfoverlap.costs.profile import load_profile
 from tfoverlap.costs.static import OP_OVERHEAD_SECONDS, static_costs
 from tfoverlap.costs.trace import op_type_starts, step_span
 from tfoverlap.graph.frames import analysed
-from tfoverlap.graph.model import GraphModel, is_variable_op, tensor_bytes
+from tfoverlap.graph.model import GraphModel, is_variable_input, is_variable_op, tensor_bytes
 from tfoverlap.planning.emulation import emulated_op_seconds
 from tfoverlap.log import warn_once
 from tfoverlap.options import link_bandwidth
@@ -124,16 +124,7 @@ def _gradient_bytes(graph_def, model: GraphModel, node: int, succs,
 _FORWARDING_OPS = frozenset({"Identity", "IdentityN", "Snapshot"})
 
 
-_RESOURCE_DTYPE = 20      # DT_RESOURCE: a tf.function's captured variable
 _READ_OPS = frozenset({"ReadVariableOp", "Identity", "Snapshot"})
-
-
-def _is_variable_source(node_def) -> bool:
-    if is_variable_op(node_def.op):
-        return True
-    attr = node_def.attr.get("dtype" if node_def.op == "Placeholder" else "T")
-    return node_def.op in ("Placeholder", "_Arg") and attr is not None and \
-        attr.type == _RESOURCE_DTYPE
 
 
 def _variable_users(graph_def, model: GraphModel, node: int, succs, data_consumers,
@@ -152,12 +143,12 @@ def _variable_users(graph_def, model: GraphModel, node: int, succs, data_consume
         frontier = [c for f in frontier for c in succs[f] if c not in update]
         update.update(frontier)
     known = variable is not None
-    variables = [variable] if known else list(dict.fromkeys(
+    sources = [variable] if known else list(dict.fromkeys(
         p for c in update for p, _ in model.data_inputs[c]
-        if _is_variable_source(graph_def.node[p])))
+        if is_variable_input(graph_def, model, p)))
     users = []
-    for variable in variables:
-        outside = [c for c in data_consumers[variable] if c not in update and c in in_step]
+    for source in sources:
+        outside = [c for c in data_consumers[source] if c not in update and c in in_step]
         reads = [c for c in outside if model.ops[c] in _READ_OPS]
         if (not known and size and reads
                 and tensor_bytes(graph_def, model, reads[0]) not in (None, size)):
@@ -399,8 +390,8 @@ def plan_cross_step(plan: AllreducePlan, op_seconds: dict, ranks: int, bandwidth
     forward pass uses last (the top layers'; ``sizes_tried`` sizes of that set, up to
     three forward passes of ring time, alone and with the suffix), issued in need order
     so that each update lands before its first use while the forward pass computes the
-    layers below. Where a step is bound by its reductions,
-    these are what the ring should still be doing when the next step starts. Only
+    layers below. Where a step is bound by its reductions, these are what the ring should
+    still be doing when the next step starts. Only
     positions in ``eligible`` (all if None) are deferred, never all of them (a step keeps
     something of its own to reduce). ``drain_every`` N charges a drain of the deferred
     reductions, exposed once every N steps, to each step."""
