@@ -145,14 +145,18 @@ def test_the_cli_shows_the_decoupled_plan_beside_the_others(chain_graph, capsys)
     assert [row.split()[0] for row in rows] == ["default", "caramel", "decoupled"]
 
 
-def _job_records(directory, ranks: int, steps: int, runs=(), checkpointed=()) -> list[dict]:
+def _job_records(directory, ranks: int, steps: int, runs=(), checkpointed=(),
+                 checkpoint_kinds=None) -> list[dict]:
     """Each rank's record of every model, optimizer and variant of the job (``runs`` and
-    ``checkpointed`` alone, where given)."""
+    ``checkpointed`` alone, where given; ``checkpoint_kinds``: the kinds of checkpoint
+    beside Saver's, of "monitored" and "object")."""
     env = {"DECOUPLED_RECORDS": str(directory), "DECOUPLED_STEPS": str(steps)}
     if runs:
         env["DECOUPLED_RUNS"] = ",".join(runs)
     if checkpointed:
         env["DECOUPLED_CHECKPOINTED"] = ",".join(checkpointed)
+    if checkpoint_kinds is not None:
+        env["DECOUPLED_CHECKPOINT_KINDS"] = ",".join(checkpoint_kinds)
     with EmulatedNetwork(ranks, loopback=True) as network:
         result = run_horovod(network, ranks, [sys.executable, JOB], controller="gloo",
                              timeout=600, env=env)
@@ -192,34 +196,30 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
     """At 4 ranks the reduce-scatter (Gloo's halving-doubling) adds the ranks' gradients in
     another order than Horovod's ring: 10 steps stay within a few float32 ulps of plain
     Horovod (measured: losses 2.1e-7 relative, weights 8e-7), each rank holds a quarter
-    of the optimizer state, and 5 steps on from a checkpoint written half way (with or
-    without decouple, by a Saver, a MonitoredTrainingSession and tf.train.Checkpoint)
-    stay as close to plain Horovod trained straight."""
-    runs = ("chain/momentum", "convnet/adam")  # both models, one slot and two
-    for whole in _job_records(tmp_path, 4, 10, runs, checkpointed=["convnet/adam"]):
-        record = whole["records"]
-        for run in runs:
-            plain, decoupled = record[run]["horovod"], record[run]["decoupled"]
-            assert "error" not in decoupled and decoupled["decoupled"]["decoupled"] >= 2
-            np.testing.assert_allclose(decoupled["losses"], plain["losses"], rtol=2e-6)
-            for ours, theirs in zip(decoupled["final"], plain["final"]):
+    of the optimizer state, and 5 steps on from a Saver's checkpoint written half way
+    (with or without decouple; restored on every rank or on rank 0 alone) stay as close
+    to plain Horovod trained straight. One run, of two slots a variable: a shard's layout
+    does not depend on the optimizer or the model (the hypothesis test above covers 1 to
+    9 ranks), and the other checkpoint kinds share the Saver's consolidation and restore
+    (tested at 2 ranks)."""
+    run = "convnet/adam"
+    for whole in _job_records(tmp_path, 4, 10, [run], [run], checkpoint_kinds=()):
+        plain, decoupled = whole["records"][run]["horovod"], whole["records"][run]["decoupled"]
+        assert "error" not in decoupled and decoupled["decoupled"]["decoupled"] >= 2
+        np.testing.assert_allclose(decoupled["losses"], plain["losses"], rtol=2e-6)
+        for ours, theirs in zip(decoupled["final"], plain["final"]):
+            np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+        buckets = len(decoupled["decoupled"]["buckets"])
+        slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
+        assert decoupled["optimizer_bytes"] <= (plain["optimizer_bytes"] / 4
+                                                + 3 * 4 * buckets * slots)
+        saved = whole["checkpoints"][run]
+        for continued in _CONTINUED:
+            np.testing.assert_allclose(saved[continued][1]["losses"],
+                                       saved["straight"]["losses"][-5:], rtol=2e-6)
+            for ours, theirs in zip(saved[continued][1]["final"], saved["straight"]["final"]):
                 np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
-            buckets = len(decoupled["decoupled"]["buckets"])
-            slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
-            assert decoupled["optimizer_bytes"] <= (plain["optimizer_bytes"] / 4
-                                                    + 3 * 4 * buckets * slots)
-        for run in ["convnet/adam", "convnet/adam/object"]:   # a quarter of a slot a rank
-            saved = whole["checkpoints"][run]
-            for continued in _CONTINUED:
-                np.testing.assert_allclose(saved[continued][1]["losses"],
-                                           saved["straight"]["losses"][-5:], rtol=2e-6)
-        saved = whole["checkpoints"]["convnet/adam/monitored"]
-        continued = saved["continued"]["losses"]
-        np.testing.assert_allclose(continued, saved["straight"]["losses"][-len(continued):],
-                                   rtol=2e-6)
-        for name, values in saved["horovod"]["last"].items():
-            np.testing.assert_allclose(saved["decoupled"]["last"][name], values, rtol=0,
-                                       atol=1e-5, err_msg=name)
+        assert set(whole["checkpoints"]) == {run}
 
 
 CHECKPOINTED = ["chain/momentum", "convnet/adam"]

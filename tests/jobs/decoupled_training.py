@@ -8,11 +8,12 @@ Also: gradients clipped after the reduction (refused), decouple="auto" below min
 (declined, cross-step overlap instead), and checkpoints written and read half way, with
 and without decouple, against plain Horovod trained straight. Writes one JSON record per
 rank (to $DECOUPLED_RECORDS/rank-N.json; $DECOUPLED_RUNS and $DECOUPLED_CHECKPOINTED,
-comma-separated model/optimizer, train and checkpoint those alone): per model, optimizer
-and variant, the losses,
-the validation values, the final weights, the bytes of optimizer state on this rank, what
-was decoupled and tfoverlap's warnings; per checkpointed run, each segment's losses and
-final weights, what the checkpoint holds and what a save refused.
+comma-separated model/optimizer, train and checkpoint those alone;
+$DECOUPLED_CHECKPOINT_KINDS, of "monitored,object", the kinds written beside Saver's):
+per model, optimizer and variant, the losses, the validation values, the final weights,
+the bytes of optimizer state on this rank, what was decoupled and tfoverlap's warnings;
+per checkpointed run, each segment's losses and final weights, what the checkpoint holds
+and what a save refused.
 """
 import json
 import logging
@@ -273,6 +274,7 @@ def checkpoints(directory, inputs, labels) -> dict:
     chosen = os.environ.get("DECOUPLED_CHECKPOINTED")
     checkpointed = ([tuple(run.split("/")) for run in chosen.split(",")] if chosen
                     else CHECKPOINTED)
+    kinds = os.environ.get("DECOUPLED_CHECKPOINT_KINDS", "monitored,object").split(",")
     for model, name in checkpointed:
         path = os.path.join(directory, f"{model}-{name}")
         entry = {"straight": segment(model, name, "horovod", inputs, labels, 0, 2 * half),
@@ -289,7 +291,7 @@ def checkpoints(directory, inputs, labels) -> dict:
         entry["decoupled_then_decoupled"] = [entry["decoupled_then_plain"][0], segment(
             model, name, "decoupled", inputs, labels, half, half, restore=path + "-decoupled")]
         runs[f"{model}/{name}"] = entry
-    for model, name in checkpointed[:1]:
+    for model, name in checkpointed[:1] if "monitored" in kinds else ():
         path = os.path.join(directory, f"{model}-{name}-monitored")
         # Every 6 of 20 steps: the third save with decouple, postponed, falls on the last.
         entry = {variant: monitored(model, name, variant, inputs, labels, f"{path}-{variant}",
@@ -302,7 +304,8 @@ def checkpoints(directory, inputs, labels) -> dict:
                                      2 * half - step, restore=middle)
         entry["straight"] = runs[f"{model}/{name}"]["straight"]
         runs[f"{model}/{name}/monitored"] = entry
-    for model, name in [run for run in OBJECT_CHECKPOINTED if run in checkpointed]:
+    for model, name in [run for run in OBJECT_CHECKPOINTED
+                        if run in checkpointed and "object" in kinds]:
         path = os.path.join(directory, f"{model}-{name}-object")
         straight = runs[f"{model}/{name}"]["straight"]
         decoupled = segment(model, name, "decoupled", inputs, labels, 0, half,
