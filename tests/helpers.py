@@ -83,23 +83,35 @@ def horovod_timeline_text(tensors: dict, origin: int, closed: bool = False) -> s
 PLAIN_PROGRAM = os.path.join(os.path.dirname(__file__), "jobs", "plain_horovod_program.py")
 
 
-def run_plain_program_with_and_without(launch, mode: str):
-    """tests/jobs/plain_horovod_program.py ``mode`` on 2 Gloo ranks in namespaces (each
-    rank's stderr, with tfoverlap's line, comes back), once plainly and once behind
-    ``launch`` (``tfoverlap run ... --``): ({"plain": records, "run": records}, the
-    summary lines of the launched run), a record per rank."""
+#: modes -> the plain program's records: it never imports tfoverlap, so one run serves
+#: every test that compares against it
+_PLAIN_RECORDS: dict = {}
+
+
+def run_plain_program_with_and_without(launch, modes: str):
+    """tests/jobs/plain_horovod_program.py's ``modes`` (comma-separated) on 2 Gloo ranks
+    in namespaces (each rank's stderr, with tfoverlap's line, comes back), plainly (once a
+    session) and behind ``launch`` (``tfoverlap run ... --``): ({"plain": {mode: records},
+    "run": {mode: records}}, the summary lines of the launched run), a record per rank."""
     from tfoverlap.testbed.horovod_launch import run_horovod
     from tfoverlap.testbed.network import EmulatedNetwork
     records, summaries = {}, []
     with EmulatedNetwork(2, bandwidth=1.25e9) as network:
         for variant, prefix in (("plain", []), ("run", list(launch))):
-            result = run_horovod(network, 2, prefix + [sys.executable, PLAIN_PROGRAM, mode],
+            if variant == "plain" and modes in _PLAIN_RECORDS:
+                records[variant] = _PLAIN_RECORDS[modes]
+                continue
+            result = run_horovod(network, 2, prefix + [sys.executable, PLAIN_PROGRAM, modes],
                                  controller="gloo", timeout=400)
             assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-            records[variant] = [json.loads(next(line for line in output.splitlines()
-                                                if line.startswith("{")))
-                                for output in result.outputs]
-            if variant == "run":
+            lines = [[json.loads(line) for line in output.splitlines()
+                      if line.startswith("{")] for output in result.outputs]
+            records[variant] = {mode: [next(line for line in per_rank if line["mode"] == mode)
+                                       for per_rank in lines]
+                                for mode in modes.split(",")}
+            if variant == "plain":
+                _PLAIN_RECORDS[modes] = records[variant]
+            else:
                 summaries = [line for output in result.outputs
                              for line in output.splitlines() if "tfoverlap [" in line]
     return records, summaries

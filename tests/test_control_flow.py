@@ -272,11 +272,25 @@ def _train(cluster, config, use_resource, training, version, trace=False):
     return losses, orders
 
 
+def _pairwise_cases() -> list:
+    """Every graph kind (resource or ref variables, training or inference, control flow v2
+    or v1) once, each with one schedule, such that every schedule meets both values of
+    each kind's three choices (every pair of values of any two factors is tried): each
+    schedule takes a kind and its complement."""
+    kinds = [(True, True, "v2"), (True, False, "v2"), (True, True, "v1"),
+             (True, False, "v1")]
+    cases = []
+    for schedule, (use_resource, training, version) in zip(SCHEDULES, kinds):
+        cases.append((schedule, use_resource, training, version))
+        cases.append((schedule, not use_resource, not training,
+                      "v1" if version == "v2" else "v2"))
+    return [pytest.param(*case, id=f"{case[0]}-{'resource' if case[1] else 'ref'}-"
+                         f"{'training' if case[2] else 'inference'}-{case[3]}")
+            for case in cases]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("version", ["v2", "v1"])
-@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule, use_resource, training, version", _pairwise_cases())
 def test_control_flow_models_train_like_the_default(cluster, schedule, use_resource, training,
                                                     version):
     key = (use_resource, training, version)

@@ -367,6 +367,6 @@ def test_tfoverlap_run_decouples_an_unchanged_program_and_trains_exactly():
     records, summaries = run_plain_program_with_and_without(launch, "graph")
     assert len(summaries) == 2 and all("decoupled reduction:" in line
                                        for line in summaries), summaries
-    for plain, run in zip(records["plain"], records["run"]):
+    for plain, run in zip(records["plain"]["graph"], records["run"]["graph"]):
         assert run["wrapper"].startswith("tfoverlap.horovod"), run["wrapper"]
         assert run["losses"] == plain["losses"] and run["weights"] == plain["weights"]

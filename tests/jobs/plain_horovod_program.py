@@ -1,11 +1,13 @@
 """A plain Horovod program that never imports tfoverlap (tests/test_cross_step.py and
 tests/test_decoupled.py run it with and without ``tfoverlap run --allreduce caramel``).
 
-argv[1]: "graph" (TF1, ``hvd.DistributedOptimizer`` around Momentum, 4 session runs),
-"keras" (``horovod.tensorflow.keras.DistributedOptimizer`` in model.fit with
-steps_per_execution=2) or "tape" (``hvd.DistributedGradientTape`` in a loop of 2 steps
-inside a ``tf.function``, called twice). Prints one JSON line per rank: the losses, the final weights,
-and the module the program's ``DistributedOptimizer`` came from.
+argv[1]: the modes to train, one after the other (comma-separated; "graph" alone, as it
+turns eager execution off): "graph" (TF1, ``hvd.DistributedOptimizer`` around Momentum, 4
+session runs), "keras" (``horovod.tensorflow.keras.DistributedOptimizer`` in model.fit
+with steps_per_execution=2) or "tape" (``hvd.DistributedGradientTape`` in a loop of 2
+steps inside a ``tf.function``, called twice). Prints one JSON line per rank and mode:
+the losses, the final weights, and the module the program's ``DistributedOptimizer``
+came from.
 """
 import json
 import sys
@@ -13,8 +15,8 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-MODE = sys.argv[1]
-if MODE == "graph":
+MODES = sys.argv[1].split(",")
+if MODES == ["graph"]:
     tf.compat.v1.disable_eager_execution()
 import horovod.tensorflow as hvd  # noqa: E402
 import horovod.tensorflow.keras as hvd_keras  # noqa: E402
@@ -97,8 +99,9 @@ def train_tape():
     return losses, model.get_weights(), hvd.DistributedGradientTape.__module__
 
 
-losses, final, wrapper = {"graph": train_graph, "keras": train_keras,
-                          "tape": train_tape}[MODE]()
-print(json.dumps({"rank": hvd.rank(), "losses": losses,
-                  "weights": [w.ravel().tolist() for w in final], "wrapper": wrapper}),
-      flush=True)
+for mode in MODES:
+    losses, final, wrapper = {"graph": train_graph, "keras": train_keras,
+                              "tape": train_tape}[mode]()
+    print(json.dumps({"rank": hvd.rank(), "mode": mode, "losses": losses,
+                      "weights": [w.ravel().tolist() for w in final], "wrapper": wrapper}),
+          flush=True)
