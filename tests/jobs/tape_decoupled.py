@@ -5,7 +5,8 @@ horovod.tensorflow's tape and with tfoverlap.horovod's under ``configure(decoupl
 initial weights, on two models and Keras' decouplable optimizers.
 
 Each run is CALLS calls of STEPS steps ($TAPE_DECOUPLED_STEPS, default 100 in all);
-$TAPE_DECOUPLED_RUNS (comma-separated) trains those runs alone, without the patterns.
+$TAPE_DECOUPLED_RUNS (comma-separated; empty: none) trains those runs alone, without the
+patterns.
 Between calls the program reads the weights, and rank 0 alone evaluates a loss (no
 collective may start). Also: patterns outside the contract (refused, trained as Horovod),
 an iterator that runs out, a read after the update (a clear error), "auto", and
@@ -202,7 +203,8 @@ def checkpointed(run) -> dict:
     consolidate_optimizer_state), then (a) one more call, the checkpoint read on rank 0
     into the same objects and broadcast, and the run trained on; (b) a new model and
     optimizer read from either variant's checkpoint before their first step (plain: on
-    every rank; decoupled: on rank 0 alone) and trained on."""
+    every rank; decoupled: on rank 0 alone) and trained on. Also, per variant: the first
+    call's losses, the bytes of optimizer state at the end and the decisions."""
     model_name, optimizer_name = run.split("/")
     record, paths = {}, {}
     for variant in ("horovod", "tfoverlap"):
@@ -211,7 +213,8 @@ def checkpointed(run) -> dict:
         model, optimizer = model_for(model_name), optimizer_for(optimizer_name)
         hvd.broadcast_variables(model.variables, root_rank=0)
         function = train_function("exact", model, optimizer, wrapper)
-        function(tf.constant(0))
+        decided = len(recent_decisions())
+        first_call = function(tf.constant(0)).numpy().tolist()
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
         paths[variant] = os.path.join(SHARED, f"{run.replace('/', '-')}-{variant}")
         segment = {}
@@ -234,6 +237,8 @@ def checkpointed(run) -> dict:
             checkpoint.read(paths[variant])
         hvd.broadcast_variables(model.variables + optimizer_variables(optimizer), root_rank=0)
         segment["restored_midway"] = go_on(model, optimizer, function)
+        segment.update(first_call=first_call, state_bytes=state_bytes(optimizer, variant),
+                       decisions=recent_decisions()[decided:])
         record[variant] = segment
     for variant in ("horovod", "tfoverlap"):
         for source in ("horovod", "tfoverlap"):
@@ -253,8 +258,8 @@ def main():
     warnings = Warnings()
     logging.getLogger("tfoverlap").addHandler(warnings)
     chosen = os.environ.get("TAPE_DECOUPLED_RUNS")
-    if chosen:          # these runs alone, without the patterns
-        runs = [(run, "exact") for run in chosen.split(",")]
+    if chosen is not None:      # these runs alone (none if empty), without the patterns
+        runs = [(run, "exact") for run in chosen.split(",") if run]
     else:
         runs = [(run, "exact") for run in RUNS] + [
             ("chain/momentum", pattern) for pattern in PATTERNS if pattern != "clipped"] + [
