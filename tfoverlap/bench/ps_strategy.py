@@ -120,13 +120,7 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
             answers = [chief.ask({"cmd": "trace", "variant": name, "steps": traces,
                                   "task": task, "logdir": logdir, "capture_s": capture_s})[0]
                        for task in range(config.num_ps)]
-            # Worker 0's side of a block as timed (every worker busy): when its pulls
-            # arrive and when its compute runs.
-            worker_logdir = os.path.join(workdir, "capture-worker0", name)
-            answers.append(chief.ask({"cmd": "trace", "variant": name, "steps": traces,
-                                      "job": "worker", "task": 0, "together": True,
-                                      "logdir": worker_logdir, "capture_s": capture_s})[0])
-            traced[name] = {"logdir": logdir, "worker_logdir": worker_logdir,
+            traced[name] = {"logdir": logdir,
                             "capture_errors": [a["capture_error"] for a in answers
                                                if a["capture_error"]]}
         process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")

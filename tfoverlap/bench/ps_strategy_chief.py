@@ -18,10 +18,8 @@ function once per config), scheduled under the variant's function config. The dr
 - ``steps {variant, steps}``: ``steps`` steps on every worker at once; answers the block's
   wall time divided by ``steps`` (the time of one step of each worker) and this process's
   CPU time;
-- ``trace {variant, steps, task, logdir[, job, together]}``: one step at a time (with
-  ``together``, ``steps`` steps of every worker at once), while the profiler captures task
-  ``task`` of ``job`` (default "ps"; TensorFlow's servers serve the profiler on their own
-  port);
+- ``trace {variant, steps, task, logdir}``: one step at a time, while the profiler
+  captures PS task ``task`` (TensorFlow's servers serve the profiler on their own port);
 - ``comm {steps}``: steps that only move the parameters (and, when training, as much data
   back), on every worker at once;
 - ``comp {steps}``: the model with its variables on worker 0, called directly: the step
@@ -156,13 +154,13 @@ class Coordinator:
         return {"times": [per_step], "cpu": [cpu]}
 
     def trace(self, command):
-        """Runs ``steps`` steps one at a time while the profiler captures task ``task`` of
-        ``job`` (a PS task unless told; TensorFlow's servers serve the profiler on their
-        own port); the capture lands under ``logdir``. One task per capture: with several
-        at once, TensorFlow 2.15's client sometimes returned an empty capture for one."""
+        """Runs ``steps`` steps one at a time while the profiler captures PS task ``task``
+        (TensorFlow's servers serve the profiler on their own port); the capture lands
+        under ``logdir``. One task per capture: with several at once, TensorFlow 2.15's
+        client sometimes returned an empty capture for one."""
         tf = self.tf
         function, options = self._scheduled(command["variant"])
-        address = "grpc://" + self.config["spec"][command.get("job", "ps")][command["task"]]
+        address = "grpc://" + self.config["spec"]["ps"][command["task"]]
         failure = []
 
         def capture():
@@ -175,10 +173,7 @@ class Coordinator:
         thread.start()
         time.sleep(command.get("lead_s", 2.0))
         start = time.perf_counter()
-        if command.get("together"):     # a block as timed: every worker busy
-            self._run(function, options, command["steps"] * self.num_workers)
-        else:
-            self._run(function, options, command["steps"], join_each=True)
+        self._run(function, options, command["steps"], join_each=True)
         seconds = time.perf_counter() - start
         thread.join()
         return {"seconds": seconds, "capture_error": failure[0] if failure else ""}
