@@ -1,6 +1,7 @@
 """Control flow: frames and deadness as the executor sees them, a verifier that rejects
 rewrites breaking either, and real clusters training LSTMs, loops, conds and Keras batch
 norm under every schedule with the default's losses."""
+import itertools
 import random
 
 import numpy as np
@@ -287,6 +288,15 @@ def _pairwise_cases() -> list:
     return [pytest.param(*case, id=f"{case[0]}-{'resource' if case[1] else 'ref'}-"
                          f"{'training' if case[2] else 'inference'}-{case[3]}")
             for case in cases]
+
+
+def test_the_cases_try_every_graph_kind_and_every_pair_of_choices():
+    cases = [case.values for case in _pairwise_cases()]
+    assert len({case[1:] for case in cases}) == 8            # every graph kind
+    choices = [list(SCHEDULES), [True, False], [True, False], ["v1", "v2"]]
+    for first, second in itertools.combinations(range(4), 2):
+        assert {(case[first], case[second]) for case in cases} == set(
+            itertools.product(choices[first], choices[second])), (first, second)
 
 
 @pytest.mark.slow
