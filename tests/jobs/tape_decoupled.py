@@ -203,8 +203,8 @@ def checkpointed(run) -> dict:
     into the same objects and broadcast, and the run trained on; (b) a new model and
     optimizer read from the other variant's checkpoint, and a decoupled one from its own,
     before their first step (plain: on every rank; decoupled: on rank 0 alone) and
-    trained on. Also, per variant: the first
-    call's losses, the bytes of optimizer state at the end and the decisions."""
+    trained on. Also, per variant: the first call's losses, the bytes of optimizer state
+    at the end and the decisions."""
     model_name, optimizer_name = run.split("/")
     record, paths = {}, {}
     for variant in ("horovod", "tfoverlap"):
