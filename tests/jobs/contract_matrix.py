@@ -31,8 +31,9 @@ OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=1e7, force=True)
 #: hands it to horovod.tensorflow.keras) and to tfoverlap.horovod's
 APIS = ("graph", "tape", "keras", "keras_tf")
 MECHANISMS = ("cross_step", "decouple")
+#: "sum" also names the process set (the global one): one training forwards both
 VARIANTS = ("average", "sum", "adasum", "fp16", "backward_passes_2", "sparse",
-            "sparse_as_dense", "process_set")
+            "sparse_as_dense")
 CALLS, STEPS, BATCH, FEATURES, VOCABULARY = 2, 3, 32, 64, 30
 WIDTHS = (61, 64, 10)   # hidden layers and the logits; 61 does not divide by 2
 
@@ -54,11 +55,10 @@ LAYERS = len(WIDTHS)
 
 def arguments(variant: str, api: str) -> dict:
     """Horovod's wrapper arguments for ``variant``."""
-    return {"sum": dict(op=hvd.Sum), "adasum": dict(op=hvd.Adasum),
+    return {"sum": dict(op=hvd.Sum, process_set=PROCESS_SET), "adasum": dict(op=hvd.Adasum),
             "fp16": dict(compression=hvd.Compression.fp16),
             "backward_passes_2": dict(backward_passes_per_step=2),
-            "sparse_as_dense": dict(sparse_as_dense=True),
-            "process_set": dict(process_set=PROCESS_SET)}.get(variant, {})
+            "sparse_as_dense": dict(sparse_as_dense=True)}.get(variant, {})
 
 
 def embedded(variant: str) -> bool:
