@@ -678,7 +678,7 @@ def test_a_ps_strategy_benchmark_sees_the_planned_order_on_the_ps_tasks(tmp_path
     from tfoverlap.bench import ps_strategy
     config = ps.Configuration("mobilenet_v2", training=True, batch=8, bandwidth=None,
                               num_ps=2, num_workers=2, layout="colocated", image_size=32)
-    # One traced step per variant: each capture of a PS task or worker 0 takes 4 s more
+    # One traced step per variant: each capture of a PS task takes 2-3 s more
     # than its steps, and one step per PS task already shows the default far from the plan
     # (concordance 0.36-0.69 a step; 0.46-0.55 over both tasks in 3 runs).
     result = ps_strategy.run_configuration(config, ("default", "tic_serial"), rounds=2,

@@ -116,7 +116,7 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
         traced = {}
         for name in variants:
             logdir = os.path.join(workdir, "capture", name)
-            capture_s = 4.0 + 3.0 * traces * statistics.median(measured["times"][name])
+            capture_s = 2.0 + 3.0 * traces * statistics.median(measured["times"][name])
             answers = [chief.ask({"cmd": "trace", "variant": name, "steps": traces,
                                   "task": task, "logdir": logdir, "capture_s": capture_s})[0]
                        for task in range(config.num_ps)]

@@ -171,7 +171,7 @@ class Coordinator:
                 failure.append(f"{type(error).__name__}: {error}")
         thread = threading.Thread(target=capture)
         thread.start()
-        time.sleep(command.get("lead_s", 2.0))
+        time.sleep(command.get("lead_s", 1.0))
         start = time.perf_counter()
         self._run(function, options, command["steps"], join_each=True)
         seconds = time.perf_counter() - start
