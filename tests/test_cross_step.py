@@ -13,31 +13,35 @@ from tfoverlap.testbed.network import EmulatedNetwork
 from tests.helpers import run_plain_program_with_and_without
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_contract.py")
+IN_SEQUENCE = os.path.join(os.path.dirname(__file__), "jobs", "in_sequence.py")
 
 EXACT = ["plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
          "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule", "adam",
          "nesterov", "make_callable", "monitored_session", "end_of_input"]
 
 
-def _contract_job(job: str, checkpoints) -> list[dict]:
-    """Runs ``job`` on 2 Gloo ranks (loopback); each rank's JSON record (from the file
-    the job writes: a long last line of output may not come through horovodrun)."""
-    records = checkpoints / "records"
-    records.mkdir()
+def _contract_jobs(*jobs) -> list[list[dict]]:
+    """Runs the ``(job, checkpoints)`` pairs one after another in one job of 2 Gloo ranks
+    (loopback; tests/jobs/in_sequence.py); per pair, each rank's JSON record (from the
+    file the job writes: a long last line of output may not come through horovodrun)."""
+    argv = []
+    for job, checkpoints in jobs:
+        (checkpoints / "records").mkdir()
+        argv += [f"CROSS_STEP_CHECKPOINTS={checkpoints}",
+                 f"CROSS_STEP_RECORDS={checkpoints / 'records'}", job, ";"]
     with EmulatedNetwork(2, loopback=True) as network:
-        result = run_horovod(network, 2, [sys.executable, job], controller="gloo",
-                             timeout=600,
-                             env={"CROSS_STEP_CHECKPOINTS": str(checkpoints),
-                                  "CROSS_STEP_RECORDS": str(records)})
+        result = run_horovod(network, 2, [sys.executable, IN_SEQUENCE] + argv,
+                             controller="gloo", timeout=600)
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-    return [json.loads((records / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    return [[json.loads((checkpoints / "records" / f"rank-{rank}.json").read_text())
+             for rank in range(2)] for _, checkpoints in jobs]
 
 
 @pytest.fixture(scope="module")
 def patterns(tmp_path_factory):
     """Each rank's record of each pattern and variant."""
-    return [record["patterns"] for record in
-            _contract_job(JOB, tmp_path_factory.mktemp("checkpoints"))]
+    (records,) = _contract_jobs((JOB, tmp_path_factory.mktemp("checkpoints")))
+    return [record["patterns"] for record in records]
 
 
 @pytest.mark.parametrize("pattern", EXACT)
@@ -217,9 +221,16 @@ KERAS_EXACT = ["validation/sgd", "schedule", "checkpoint/adamw", "input_runs_out
 
 
 @pytest.fixture(scope="module")
-def keras_patterns(tmp_path_factory):
+def tf2_patterns(tmp_path_factory):
+    """The Keras and the tape jobs, in one Horovod job (both TF2, eager)."""
+    return _contract_jobs((KERAS_JOB, tmp_path_factory.mktemp("keras_checkpoints")),
+                          (TAPE_JOB, tmp_path_factory.mktemp("tape_checkpoints")))
+
+
+@pytest.fixture(scope="module")
+def keras_patterns(tf2_patterns):
     """Each rank's record of each Keras pattern and variant."""
-    return _contract_job(KERAS_JOB, tmp_path_factory.mktemp("keras_checkpoints"))
+    return tf2_patterns[0]
 
 
 @pytest.mark.parametrize("pattern", KERAS_EXACT)
@@ -324,9 +335,9 @@ TAPE_EXACT = ["between_calls/sgd", "schedule", "iterator/legacy_adam", "input_ru
 
 
 @pytest.fixture(scope="module")
-def tape_patterns(tmp_path_factory):
+def tape_patterns(tf2_patterns):
     """Each rank's record of each tape pattern and variant."""
-    return _contract_job(TAPE_JOB, tmp_path_factory.mktemp("tape_checkpoints"))
+    return tf2_patterns[1]
 
 
 @pytest.mark.parametrize("pattern", TAPE_EXACT)

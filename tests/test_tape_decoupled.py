@@ -15,6 +15,7 @@ from tfoverlap.testbed.network import EmulatedNetwork
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "tape_decoupled.py")
 KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_decoupled.py")
+IN_SEQUENCE = os.path.join(os.path.dirname(__file__), "jobs", "in_sequence.py")
 KERAS_RUNS = ["chain/momentum", "convnet/adam", "chain/legacy_adam",
               "chain/adam/input_runs_out"]
 STEPS = 20          # in 4 calls: enough to tell a sharded update from a plain one
@@ -27,26 +28,52 @@ AT_4_RANKS = "convnet/adam"
 EXACT = ["chain/sgd", "chain/adamw", "chain/legacy_momentum", "chain/schedule"]
 
 
-def _job_records(directory, ranks: int, steps: int, job: str = JOB,
-                 prefix: str = "rank", runs=None, checkpointed=()) -> list[dict]:
-    """Each rank's record of every run and variant of ``job`` (``runs`` and
-    ``checkpointed`` alone, where given)."""
+def _job_env(directory, steps: int, runs=None, checkpointed=()) -> dict:
+    """What a job reads: where to write, how many steps, ``runs`` and ``checkpointed``
+    alone (where given)."""
     env = {"TAPE_DECOUPLED_RECORDS": str(directory), "TAPE_DECOUPLED_STEPS": str(steps)}
     if runs is not None:
         env["TAPE_DECOUPLED_RUNS"] = ",".join(runs)
     if checkpointed:
         env["TAPE_DECOUPLED_CHECKPOINTED"] = ",".join(checkpointed)
+    return env
+
+
+def _jobs_records(ranks: int, *jobs) -> list[list[dict]]:
+    """Runs the ``(job, env, directory, prefix)`` jobs one after another in one Horovod job
+    of ``ranks`` Gloo ranks (loopback; tests/jobs/in_sequence.py); per job, each rank's
+    record (``directory``/``prefix``-N.json)."""
+    argv = []
+    for job, env, _, _ in jobs:
+        argv += [f"{name}={value}" for name, value in env.items()] + [job, ";"]
     with EmulatedNetwork(ranks, loopback=True) as network:
-        result = run_horovod(network, ranks, [sys.executable, job], controller="gloo",
-                             timeout=900, env=env)
+        result = run_horovod(network, ranks, [sys.executable, IN_SEQUENCE] + argv,
+                             controller="gloo", timeout=900)
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-    return [json.loads((directory / f"{prefix}-{rank}.json").read_text())
-            for rank in range(ranks)]
+    return [[json.loads((directory / f"{prefix}-{rank}.json").read_text())
+             for rank in range(ranks)] for _, _, directory, prefix in jobs]
+
+
+def _job_records(directory, ranks: int, steps: int, runs=None, checkpointed=()) -> list[dict]:
+    """Each rank's record of every run and variant of the tape job (``runs`` and
+    ``checkpointed`` alone, where given)."""
+    (records,) = _jobs_records(ranks, (JOB, _job_env(directory, steps, runs, checkpointed),
+                                       directory, "rank"))
+    return records
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    return _job_records(tmp_path_factory.mktemp("tape_decoupled"), 2, STEPS)
+def tf2_records(tmp_path_factory):
+    """The tape job (20 steps) and the Keras job (100), in one Horovod job of 2 ranks."""
+    tape, keras = (tmp_path_factory.mktemp(name) for name in ("tape_decoupled",
+                                                                "keras_decoupled"))
+    return _jobs_records(2, (JOB, _job_env(tape, STEPS), tape, "rank"),
+                         (KERAS_JOB, _job_env(keras, 100), keras, "keras-rank"))
+
+
+@pytest.fixture(scope="module")
+def records(tf2_records):
+    return tf2_records[0]
 
 
 def _decoupled(record) -> int:
@@ -226,9 +253,8 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def keras_records(tmp_path_factory):
-    return _job_records(tmp_path_factory.mktemp("keras_decoupled"), 2, 100, KERAS_JOB,
-                        "keras-rank")
+def keras_records(tf2_records):
+    return tf2_records[1]
 
 
 @pytest.mark.parametrize("run", KERAS_RUNS)

@@ -1,0 +1,36 @@
+"""Runs several Horovod job scripts of this directory one after another in one process
+(one Horovod start-up and one TensorFlow warm-up for all of them).
+
+argv: groups separated by ";", each ``[NAME=VALUE ...] script.py [argument ...]``: the
+environment variables the script reads (set for that script alone), then the script and
+its argv. Each runs as ``__main__``; the first to fail ends the job with its error.
+"""
+import os
+import runpy
+import sys
+
+
+def groups(argv: list[str]) -> list[tuple[dict, list[str]]]:
+    result, current = [], []
+    for token in argv + [";"]:
+        if token != ";":
+            current.append(token)
+            continue
+        settings = {}
+        while current and "=" in current[0] and not current[0].endswith(".py"):
+            name, _, value = current.pop(0).partition("=")
+            settings[name] = value
+        if current:
+            result.append((settings, current))
+        current = []
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    environment = dict(os.environ)
+    for settings, script_argv in groups(sys.argv[1:]):
+        os.environ.clear()
+        os.environ.update(environment, **settings)
+        sys.argv = list(script_argv)
+        runpy.run_path(script_argv[0], run_name="__main__")
