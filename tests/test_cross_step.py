@@ -198,7 +198,7 @@ def test_a_use_of_a_deferred_reduced_gradient_built_later_stops_every_run():
     from tfoverlap.horovod.session.pending import DeferralError
     model = _chain_graph(defer=True)
     with model["graph"].as_default():
-        norm = tf.norm(model["reduced"][0], name="gradient_norm")
+        tf.norm(model["reduced"][0], name="gradient_norm")
     with tf.compat.v1.Session(graph=model["graph"]) as session:
         for _ in range(2):          # every run, not only the first
             with pytest.raises(DeferralError, match="gradient_norm/mul uses the reduced "
