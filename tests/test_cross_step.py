@@ -8,12 +8,9 @@ import sys
 
 import pytest
 
-from tfoverlap.testbed.horovod_launch import run_horovod
-from tfoverlap.testbed.network import EmulatedNetwork
-from tests.helpers import run_plain_program_with_and_without
+from tests.helpers import run_jobs_in_sequence, run_plain_program_with_and_without
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_contract.py")
-IN_SEQUENCE = os.path.join(os.path.dirname(__file__), "jobs", "in_sequence.py")
 
 EXACT = ["plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
          "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule", "adam",
@@ -21,18 +18,14 @@ EXACT = ["plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoi
 
 
 def _contract_jobs(*jobs) -> list[list[dict]]:
-    """Runs the ``(job, checkpoints)`` pairs one after another in one job of 2 Gloo ranks
-    (loopback; tests/jobs/in_sequence.py); per pair, each rank's JSON record (from the
-    file the job writes: a long last line of output may not come through horovodrun)."""
-    argv = []
-    for job, checkpoints in jobs:
+    """Runs the ``(job, checkpoints)`` pairs one after another in one job of 2 Gloo ranks;
+    per pair, each rank's JSON record (from the file the job writes: a long last line of
+    output may not come through horovodrun)."""
+    for _, checkpoints in jobs:
         (checkpoints / "records").mkdir()
-        argv += [f"CROSS_STEP_CHECKPOINTS={checkpoints}",
-                 f"CROSS_STEP_RECORDS={checkpoints / 'records'}", job, ";"]
-    with EmulatedNetwork(2, loopback=True) as network:
-        result = run_horovod(network, 2, [sys.executable, IN_SEQUENCE] + argv,
-                             controller="gloo", timeout=600)
-    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    run_jobs_in_sequence(2, [(job, {"CROSS_STEP_CHECKPOINTS": checkpoints,
+                                    "CROSS_STEP_RECORDS": checkpoints / "records"})
+                             for job, checkpoints in jobs], timeout=600)
     return [[json.loads((checkpoints / "records" / f"rank-{rank}.json").read_text())
              for rank in range(2)] for _, checkpoints in jobs]
 

@@ -5,17 +5,14 @@ under the next forward pass, against plain Horovod on real Gloo ranks
 (tests/jobs/tape_decoupled.py, tests/jobs/keras_decoupled.py)."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
-from tfoverlap.testbed.horovod_launch import run_horovod
-from tfoverlap.testbed.network import EmulatedNetwork
+from tests.helpers import run_jobs_in_sequence
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "tape_decoupled.py")
 KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_decoupled.py")
-IN_SEQUENCE = os.path.join(os.path.dirname(__file__), "jobs", "in_sequence.py")
 KERAS_RUNS = ["chain/momentum", "convnet/adam", "chain/legacy_adam",
               "chain/adam/input_runs_out"]
 STEPS = 20          # in 4 calls: enough to tell a sharded update from a plain one
@@ -41,15 +38,8 @@ def _job_env(directory, steps: int, runs=None, checkpointed=()) -> dict:
 
 def _jobs_records(ranks: int, *jobs) -> list[list[dict]]:
     """Runs the ``(job, env, directory, prefix)`` jobs one after another in one Horovod job
-    of ``ranks`` Gloo ranks (loopback; tests/jobs/in_sequence.py); per job, each rank's
-    record (``directory``/``prefix``-N.json)."""
-    argv = []
-    for job, env, _, _ in jobs:
-        argv += [f"{name}={value}" for name, value in env.items()] + [job, ";"]
-    with EmulatedNetwork(ranks, loopback=True) as network:
-        result = run_horovod(network, ranks, [sys.executable, IN_SEQUENCE] + argv,
-                             controller="gloo", timeout=900)
-    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    of ``ranks`` Gloo ranks; per job, each rank's record (``directory``/``prefix``-N.json)."""
+    run_jobs_in_sequence(ranks, [(job, env) for job, env, _, _ in jobs], timeout=900)
     return [[json.loads((directory / f"{prefix}-{rank}.json").read_text())
              for rank in range(ranks)] for _, _, directory, prefix in jobs]
 
