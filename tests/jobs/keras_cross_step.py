@@ -46,6 +46,16 @@ VALIDATION = (np.random.default_rng(999).normal(size=(BATCH, 64)).astype(np.floa
               np.random.default_rng(998).integers(0, 10, size=(BATCH,)))
 
 
+class Counted(tf.keras.Sequential):
+    """A Sequential that counts the traces of its train step (``traces``)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        type(self).traces += 1
+        return super().train_step(data)
+
+
 def model_for(pattern):
     tf.keras.utils.set_random_seed(7)
     layers = [tf.keras.layers.Dense(width, activation="relu" if i < len(WIDTHS) - 1 else None,
@@ -54,9 +64,9 @@ def model_for(pattern):
         # The first layer's gradient (ready last) is sparse (IndexedSlices): Horovod
         # gathers it, and it is never deferred; the dense layers after it may be. With
         # sparse_as_dense (embedding_dense) it is reduced dense, and may be deferred.
-        return tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Embedding(
+        return Counted([tf.keras.Input((8,)), tf.keras.layers.Embedding(
             100, 8, name="embedding"), tf.keras.layers.Flatten()] + layers)
-    return tf.keras.Sequential([tf.keras.Input((64,))] + layers)
+    return Counted([tf.keras.Input((64,))] + layers)
 
 
 def inputs_for(pattern):
@@ -148,6 +158,7 @@ def _train(pattern, variant, distributed):
                   metrics=[] if pattern == "validation" else ["accuracy"],
                   steps_per_execution=1 if pattern == "one_step_per_call" else 4)
     record = {"losses": [], "seen": []}
+    Counted.traces = 0
 
     class Look(tf.keras.callbacks.Callback):
         """What user code sees between calls: the loss and the weights."""
@@ -172,6 +183,10 @@ def _train(pattern, variant, distributed):
         # then epoch 2: what a restarted job does.
         path = os.path.join(CHECKPOINTS, f"{variant}-{RANK}")
         model.fit(inputs_for(pattern), LABELS, epochs=1, **fit)
+        # (The first model's traces: the fresh one's optimizer is built before its fit,
+        # so the deferral's buffers are the only variables its first trace creates, and
+        # TensorFlow traces a function that creates variables twice.)
+        record["step_traces"] = Counted.traces
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
         written = checkpoint.write(path)
         reader = tf.train.load_checkpoint(written)
@@ -201,6 +216,7 @@ def _train(pattern, variant, distributed):
     record["weights"] = [w.ravel().tolist() for w in model.get_weights()]
     record["optimizer"] = [np.asarray(v).ravel()[:16].tolist()
                            for v in model.optimizer.variables]
+    record.setdefault("step_traces", Counted.traces)
     record["decision"] = tfo_keras.cross_step_decision(model) if variant == "tfoverlap" else None
     if variant == "tfoverlap" and pattern != "auto":
         record["deferred_reductions"] = deferred_reductions(model)

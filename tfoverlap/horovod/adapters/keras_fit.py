@@ -1,6 +1,7 @@
-"""The Keras adapter: ``model.fit`` with ``steps_per_execution=N > 1``, planned from its
-``train_step`` traced apart; a drain after each call leaves nothing pending where user
-code runs (docs/architecture.md, "Keras fit"; the hooks: :mod:`.keras_hooks`)."""
+"""The Keras adapter: ``model.fit`` with ``steps_per_execution=N > 1``, planned from a trace
+of its ``train_step`` (AutoGraph's trial trace of the multi-step loop, where there is one);
+a drain after each call leaves nothing pending where user code runs (docs/architecture.md,
+"Keras fit"; the hooks: :mod:`.keras_hooks`)."""
 from __future__ import annotations
 
 import logging
@@ -138,12 +139,15 @@ def _decoupled_update(optimizer, deferral, loss, var_list, tape):
     return deferral.decoupled.update(gradients)
 
 
-def _plan(model, optimizer, train_step, data) -> Deferral:
-    """Traces ``train_step`` apart and plans from that graph: decoupled, deferred (the
-    buffers built), or nothing, with the reason."""
+def _plan(model, optimizer, train_step, data) -> tuple[Deferral, list | None]:
+    """Plans from a trace of ``train_step``: decoupled, deferred (the buffers built), or
+    nothing, with the reason. The trace is the one AutoGraph makes anyway where the step is
+    first traced in its trial trace of the multi-step loop (dropped after it: the second
+    item holds that trace's outputs, for the trial); else the step is traced apart (None)."""
     import tensorflow as tf
 
     from tfoverlap.horovod.core.plans import plan_deferral, variable_ops
+    from tfoverlap.horovod.in_call.loops import staging
     mode = wrapper_option("cross_step", "auto")
     decouple = wrapper_option("decouple", False)
     level = logging.WARNING if (decouple or mode) is True else logging.INFO
@@ -157,27 +161,34 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
         deferral.decision["reason"] = refused
         logger.log(level, "tfoverlap: %s: %s; nothing %s", "decouple" if decouple else
                    "cross_step", refused, "decoupled" if decouple else "deferred")
-        return deferral
+        return deferral, None
     deferral.planning = {}
+    trial = None
     try:
         if not decouple:
             build_slots(optimizer, deferral.variables)
-        spec = tf.nest.map_structure(lambda value: _batch_spec(value, _fit_batch[0]), data)
         _active.append(deferral)
         try:
-            graph = tf.function(train_step).get_concrete_function(spec).graph
+            graph = tf.compat.v1.get_default_graph()
+            if staging(graph):
+                trial = [train_step(tf.nest.map_structure(
+                    lambda value: _batch_shaped(value, _fit_batch[0]), data))]
+            else:
+                spec = tf.nest.map_structure(lambda value: _batch_spec(value, _fit_batch[0]),
+                                             data)
+                graph = tf.function(train_step).get_concrete_function(spec).graph
         finally:
             _active.pop()
     except Exception as error:  # noqa: BLE001 - nothing is built yet: train in-step
         deferral.planning = None
-        deferral.decision["reason"] = f"the step could not be traced apart ({error})"
+        deferral.decision["reason"] = f"the step could not be traced for the plan ({error})"
         logger.warning("tfoverlap: cross_step: nothing deferred: the step could not be "
-                       "traced apart (%s: %s)", type(error).__name__, error)
-        return deferral
+                       "traced for the plan (%s: %s)", type(error).__name__, error)
+        return deferral, None
     own, deferral.planning = deferral.planning, None
     if decouple:
         if _decouples(model, optimizer, deferral, graph, own, decouple) or not mode:
-            return deferral
+            return deferral, trial
         build_slots(optimizer, deferral.variables)
         deferral.decision = planned("cross_step", mode)
     with tf.init_scope():
@@ -188,10 +199,10 @@ def _plan(model, optimizer, train_step, data) -> Deferral:
     if not deferral.keep(chunks, len(deferral.variables)):
         logger.log(level, "tfoverlap: cross_step: nothing deferred: %s",
                    deferral.decision.get("reason"))
-        return deferral
+        return deferral, trial
     deferral.drain = tf.function(lambda: deferral.finish_pending())
     deferral.say_deferred("model.fit")
-    return deferral
+    return deferral, trial
 
 
 def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
@@ -231,6 +242,14 @@ def _batch_spec(value, batch):
     return tf.TensorSpec(shape, value.dtype)
 
 
+def _batch_shaped(value, batch):
+    """``value`` with an unknown batch dimension set to ``batch`` in its static shape (for
+    the plan's compute estimates, in a trace that never runs); other values as they are."""
+    import tensorflow as tf
+    spec = _batch_spec(value, batch)
+    return tf.ensure_shape(value, spec.shape) if isinstance(spec, tf.TensorSpec) else value
+
+
 def _pipelined(model, train_step, own_step):
     """``train_step``, first finishing what the step before left pending (``own_step``:
     the train_step the program set on the model, if any)."""
@@ -239,10 +258,13 @@ def _pipelined(model, train_step, own_step):
     def step(data):
         deferral = _deferrals.get(model)
         if deferral is None:
-            deferral = _deferrals[model] = _plan(model, model.optimizer, train_step, data)
+            deferral, trial = _plan(model, model.optimizer, train_step, data)
+            _deferrals[model] = deferral
             model_ref = weakref.ref(model)
             record(lambda: None if model_ref() is None else decision_for(model_ref()), "keras",
                    key=model_ref, name=model.name)
+            if trial is not None:
+                return trial[0]
         if not deferral.chunks:
             return train_step(data)
         # Once the step has its data: where the input runs out the step does nothing, and
