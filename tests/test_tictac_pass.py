@@ -437,3 +437,21 @@ def test_a_tf2_gradient_pushed_through_element_wise_ops_counts_as_its_variables_
     graph_def = _tf2_update_graph("Identity")
     model = GraphModel.from_graph_def(graph_def)
     assert edge_bytes(graph_def, model, gradient, negative) is None
+
+
+def test_the_reports_since_a_mark_are_those_logged_after_it_when_old_ones_are_dropped():
+    """A mark is a count, not an index: once the log is full, the reports after a mark are
+    still the new ones (an index taken before would select none)."""
+    from tfoverlap.passes.base import Report, ReportLog
+    log = ReportLog(capacity=3)
+    reports = [Report(item_id=f"graph{i}", source="test", num_nodes=i) for i in range(5)]
+    for report in reports[:2]:
+        log.append(report)
+    mark = log.count
+    for report in reports[2:]:
+        log.append(report)
+    assert log.snapshot(since=mark) == reports[2:]
+    assert log.snapshot() == reports[2:]
+    mark = log.count
+    log.append(reports[0])
+    assert log.snapshot(since=mark) == [reports[0]] and log.snapshot(since=log.count) == []

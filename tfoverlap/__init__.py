@@ -24,6 +24,7 @@ _EXPORTS = {
     "Report": "tfoverlap.passes.base",
     "PassFailure": "tfoverlap.passes.base",
     "recent_reports": "tfoverlap.passes.base",
+    "report_count": "tfoverlap.passes.base",
     "load": "tfoverlap.integrations.grappler",
     "profile": "tfoverlap.costs.profile",
 }

@@ -193,14 +193,14 @@ for pattern in sys.argv[1:] or PATTERNS:
         tfo_hvd.configure(**OPTIONS, cross_step=mode,
                           **({"min_gain": 0.99} if pattern == "auto_declined" else {}))
         caught.messages.clear()
-        reports_before = len(tfoverlap.recent_reports())
+        mark = tfoverlap.report_count()
         try:
             record = train(pattern, variant)
         except Exception as error:  # noqa: BLE001 - reported to the test
             record = {"error": f"{type(error).__name__}: {error}"}
         record["warnings"] = list(caught.messages)
         record["decisions"] = [p.summary["cross_step"] for r in
-                               tfoverlap.recent_reports()[reports_before:]
+                               tfoverlap.recent_reports(since=mark)
                                for p in r.passes if "cross_step" in p.summary]
         results[pattern][variant] = record
     tfo_hvd.configure()

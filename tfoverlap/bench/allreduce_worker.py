@@ -239,10 +239,10 @@ def main(argv=None) -> int:
     began = time.perf_counter()
     built, caramel = {}, {}
     for variant in variants:
-        reports_before = len(tfoverlap.recent_reports())
+        mark = tfoverlap.report_count()
         built[variant] = _build(variant, args)
         if variant in CARAMEL_VARIANTS:
-            caramel[variant] = next((p.summary for r in tfoverlap.recent_reports()[reports_before:]
+            caramel[variant] = next((p.summary for r in tfoverlap.recent_reports(since=mark)
                                      for p in r.passes if p.name == "caramel"), None)
             deferral = deferral_summary(built[variant][2].graph)
             if caramel[variant] is not None and deferral:

@@ -241,12 +241,12 @@ def main(argv=None) -> int:
     built, caramel = {}, {}
     from tfoverlap.horovod.core.decisions import recent_decisions
     for variant in variants:
-        reports_before = len(tfoverlap.recent_reports())
+        mark = tfoverlap.report_count()
         decisions_before = len(recent_decisions())
         build = _build_tape_loop if args.loop == "tape" else _build
         built[variant] = build(variant, args, emulation)
         if variant.startswith("caramel"):
-            summary = next((p.summary for r in tfoverlap.recent_reports()[reports_before:]
+            summary = next((p.summary for r in tfoverlap.recent_reports(since=mark)
                             for p in r.passes if p.name == "caramel"), None) or {}
             decision = (tfo_keras.cross_step_decision(built[variant][0]) if args.loop == "fit"
                         else (recent_decisions()[decisions_before:] or [None])[-1]) or {}

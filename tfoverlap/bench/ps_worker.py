@@ -125,20 +125,16 @@ class Worker:
         return {}
 
     def warmup(self, command):
-        earlier = self.tfoverlap.recent_reports()
+        mark = self.tfoverlap.report_count()
         seconds = self.timed(self.session(command["variant"]), self.model.fetch, 2)
         summary = {}
         if self.config["variants"][command["variant"]].get("tfoverlap") is not None:
-            summary = self._pass_summary(earlier[-1] if earlier else None)
+            summary = self._pass_summary(mark)
         return {"seconds": seconds, "pass": summary}
 
-    def _pass_summary(self, last_earlier_report) -> dict:
-        """What the pass did in the reports recorded after ``last_earlier_report``."""
-        reports = self.tfoverlap.recent_reports()
-        for index, report in enumerate(reports):
-            if report is last_earlier_report:
-                reports = reports[index + 1:]
-                break
+    def _pass_summary(self, mark: int) -> dict:
+        """What the pass did in the reports recorded after ``mark`` (a report count)."""
+        reports = self.tfoverlap.recent_reports(since=mark)
         for report in reversed(reports):
             for entry in report.passes:
                 if entry.summary.get("transfers"):

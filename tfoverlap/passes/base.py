@@ -11,7 +11,7 @@ from tfoverlap.graph.model import parse_input
 from tfoverlap.options import Options
 
 __all__ = ["PassContext", "PassResult", "PassReport", "Report", "PassFailure", "ReportLog",
-           "recent_reports", "REPORTS"]
+           "recent_reports", "report_count", "REPORTS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,20 +104,30 @@ class ReportLog:
     def __init__(self, capacity: int = 256):
         self._reports: collections.deque = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()
+        self.count = 0          # reports ever appended
 
     def append(self, report: Report) -> None:
         with self._lock:
             self._reports.append(report)
+            self.count += 1
 
-    def snapshot(self) -> list[Report]:
+    def snapshot(self, since: int = 0) -> list[Report]:
+        """The reports held, or those appended after the first ``since`` (a ``count``)."""
         with self._lock:
-            return list(self._reports)
+            held = list(self._reports)
+            return held[max(0, len(held) - (self.count - since)):]
 
 
 REPORTS = ReportLog()
 
 
-def recent_reports() -> list[Report]:
+def recent_reports(since: int | None = None) -> list[Report]:
     """Reports of the latest pipeline runs in this process (the Grappler plugin's and the
-    Horovod wrappers'), oldest first."""
-    return REPORTS.snapshot()
+    Horovod wrappers'), oldest first; with ``since`` (a :func:`report_count`), only those
+    logged after it (an index into this list is not a mark: old reports are dropped)."""
+    return REPORTS.snapshot(since or 0)
+
+
+def report_count() -> int:
+    """How many reports this process has logged: a mark for :func:`recent_reports`."""
+    return REPORTS.count
