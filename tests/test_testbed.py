@@ -198,14 +198,14 @@ def test_interrupted_run_tears_everything_down(signum):
 
 
 # ---------------------------------------------------------------- the Horovod launchers
+# In namespaces (loopback ranks, under Gloo and MPI, run every job of
+# tests/test_contract_matrix.py and the cross-step and decoupled suites).
 @pytest.mark.slow
+@pytest.mark.skipif(not IS_ROOT, reason="ranks in namespaces need root")
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
-@pytest.mark.parametrize("loopback", [False, True])
-def test_horovod_launcher_runs_one_rank_per_host(controller, loopback):
+def test_horovod_launcher_runs_one_rank_per_host(controller):
     from tfoverlap.testbed.horovod_launch import run_horovod
-    if not loopback and not IS_ROOT:
-        pytest.skip("ranks in namespaces need root")
-    with EmulatedNetwork(2, bandwidth=125e6, loopback=loopback) as network:
+    with EmulatedNetwork(2, bandwidth=125e6) as network:
         result = run_horovod(network, 2, [sys.executable, JOB], controller=controller,
                              timeout=180)
     assert result.returncode == 0, result.outputs
@@ -213,9 +213,8 @@ def test_horovod_launcher_runs_one_rank_per_host(controller, loopback):
     assert [r["rank"] for r in reports] == [0, 1]
     assert all(r["size"] == 2 and r["sum"] == 3.0 for r in reports)
     assert all(r[controller] for r in reports)
-    if not loopback:
-        assert reports[0]["netns"] != reports[1]["netns"]
-        assert leftovers() == []
+    assert reports[0]["netns"] != reports[1]["netns"]
+    assert leftovers() == []
 
 
 # ---------------------------------------------------------------- PS cluster layouts
