@@ -192,18 +192,18 @@ def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_stat
         assert decoupled["optimizer_bytes"] <= plain["optimizer_bytes"] / 2 + 4 * buckets * slots
 
 
-def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
-    """At 4 ranks the reduce-scatter (Gloo's halving-doubling) adds the ranks' gradients in
-    another order than Horovod's ring: 10 steps stay within a few float32 ulps of plain
-    Horovod (measured: losses 2.1e-7 relative, weights 8e-7), each rank holds a quarter
-    of the optimizer state, and 5 steps on from a Saver's checkpoint written half way
-    (with or without decouple; restored on every rank or on rank 0 alone) stay as close
-    to plain Horovod trained straight. One run, of two slots a variable: a shard's layout
-    does not depend on the optimizer or the model (the hypothesis test above covers 1 to
-    9 ranks), and the other checkpoint kinds share the Saver's consolidation and restore
-    (tested at 2 ranks)."""
-    run = "convnet/adam"
-    for whole in _job_records(tmp_path, 4, 10, [run], [run], checkpoint_kinds=()):
+def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
+    """At more than 2 ranks the reduce-scatter may add the ranks' gradients in another
+    order than Horovod's ring, and at 3 no bucket need divide evenly: 10 steps stay within
+    a few float32 ulps of plain Horovod, each rank holds a third of the optimizer state
+    (plus padding), and 5 steps on from a Saver's checkpoint written half way (with or
+    without decouple; restored on every rank or on rank 0 alone) stay as close to plain
+    Horovod trained straight. One run, of two slots a variable: a shard's layout does not
+    depend on the optimizer or the model (the hypothesis test above covers 1 to 9 ranks),
+    and the other checkpoint kinds share the Saver's consolidation and restore (tested at
+    2 ranks). (3 ranks, not 4: a quarter less of the job on a 2-core host.)"""
+    run, ranks = "convnet/adam", 3
+    for whole in _job_records(tmp_path, ranks, 10, [run], [run], checkpoint_kinds=()):
         plain, decoupled = whole["records"][run]["horovod"], whole["records"][run]["decoupled"]
         assert "error" not in decoupled and decoupled["decoupled"]["decoupled"] >= 2
         np.testing.assert_allclose(decoupled["losses"], plain["losses"], rtol=2e-6)
@@ -211,8 +211,8 @@ def test_at_4_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
             np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
         buckets = len(decoupled["decoupled"]["buckets"])
         slots = plain["optimizer_bytes"] // decoupled["decoupled"]["bytes"]
-        assert decoupled["optimizer_bytes"] <= (plain["optimizer_bytes"] / 4
-                                                + 3 * 4 * buckets * slots)
+        assert decoupled["optimizer_bytes"] <= (plain["optimizer_bytes"] / ranks
+                                                + (ranks - 1) * 4 * buckets * slots)
         saved = whole["checkpoints"][run]
         for continued in _CONTINUED:
             np.testing.assert_allclose(saved[continued][1]["losses"],
