@@ -198,8 +198,8 @@ def test_interrupted_run_tears_everything_down(signum):
 
 
 # ---------------------------------------------------------------- the Horovod launchers
-# In namespaces (loopback ranks, under Gloo and MPI, run every job of
-# tests/test_contract_matrix.py and the cross-step and decoupled suites).
+# In namespaces only: loopback ranks, under Gloo and MPI, are what every job of
+# tests/test_contract_matrix.py and of the cross-step and decoupled suites runs on.
 @pytest.mark.slow
 @pytest.mark.skipif(not IS_ROOT, reason="ranks in namespaces need root")
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
