@@ -669,6 +669,48 @@ def test_csv_rows_may_carry_fields_the_first_row_lacks(tmp_path):
     assert rows[0]["deferred_gradients"] == "" and rows[1]["deferred_gradients"] == "152"
 
 
+#: what a stand-in coordinator does: die of a signal, exit with an error, answer ready
+_SEGFAULT = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+_EXIT_1 = "raise SystemExit(1)"
+_READY = "READY"
+
+
+class _LauncherOfStandIns:
+    """A network whose launcher host runs, instead of the coordinator, the i-th of
+    ``programs`` at its i-th start."""
+
+    def __init__(self, *programs):
+        self.programs, self.starts = programs, 0
+
+    def spawn_launcher(self, argv, **popen_kwargs):
+        import subprocess
+        import sys
+        from tfoverlap.bench.ps_worker import ANSWER
+        program = self.programs[self.starts]
+        self.starts += 1
+        if program == _READY:
+            program = f"print({ANSWER + json.dumps({'ready': True, 'start': self.starts})!r})"
+        return subprocess.Popen([sys.executable, "-c", program], **popen_kwargs)
+
+
+def test_a_coordinator_killed_while_it_starts_is_started_once_more(tmp_path, capsys):
+    """A coordinator that a signal killed during start-up (TensorFlow's, once, in CI) is
+    started again, with a line saying so; one that is killed again, or that exits with an
+    error code of its own, stops the run with its log named."""
+    from tfoverlap.bench.ps_strategy import _start_coordinator
+    from tfoverlap.testbed.network import NetworkError
+    network = _LauncherOfStandIns(_SEGFAULT, _READY)
+    _, _, ready = _start_coordinator(network, {}, str(tmp_path), timeout=60)
+    assert ready == {"ready": True, "start": 2} and network.starts == 2
+    assert "died of signal 11 while it started" in capsys.readouterr().err
+    with pytest.raises(NetworkError, match="chief.2.log"):
+        _start_coordinator(_LauncherOfStandIns(_SEGFAULT, _SEGFAULT), {}, str(tmp_path), 60)
+    network = _LauncherOfStandIns(_EXIT_1, _READY)
+    with pytest.raises(NetworkError, match="chief.log.*exited with code 1"):
+        _start_coordinator(network, {}, str(tmp_path), 60)
+    assert network.starts == 1
+
+
 @pytest.mark.slow
 def test_a_ps_strategy_benchmark_sees_the_planned_order_on_the_ps_tasks(tmp_path):
     """The TF2 job (loopback): a coordinator schedules a Keras model's step on 2 workers

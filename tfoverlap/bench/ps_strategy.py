@@ -56,16 +56,50 @@ def _report_dir(workdir: str, variant: str) -> str:
     return os.path.join(workdir, "reports", variant)
 
 
+#: how often a coordinator that a signal killed during start-up is started again
+COORDINATOR_STARTS = 2
+
+
+def _start_coordinator(network, chief_config: dict, workdir: str, timeout: float):
+    """Starts the coordinator on the launcher host and waits until the model's variables
+    are on the PS tasks: (process, its Workers channel, its ready answer).
+
+    TensorFlow 2.15's coordinator has, rarely, died of SIGSEGV while it connected to the
+    cluster (once in CI, before it built anything of ours); such a start is tried again,
+    with a line that says so and where its log is. Python's fault handler writes the
+    crashing thread's stack to the log."""
+    from tfoverlap.bench.ps import Workers
+    from tfoverlap.testbed.network import LineChannel, NetworkError
+    for attempt in range(1, COORDINATOR_STARTS + 1):
+        log_path = os.path.join(workdir, "chief.log" if attempt == 1 else
+                                f"chief.{attempt}.log")
+        with open(log_path, "w") as log:
+            process = network.spawn_launcher(
+                [sys.executable, "-X", "faulthandler", "-m",
+                 "tfoverlap.bench.ps_strategy_chief", json.dumps(chief_config)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        chief = Workers([LineChannel(process, f"the coordinator (log: {log_path})")],
+                        timeout)
+        try:
+            return process, chief, chief.ready()[0]
+        except NetworkError:
+            killed = process.poll() is not None and process.returncode < 0
+            if not killed or attempt == COORDINATOR_STARTS:
+                raise
+            progress(f"the coordinator died of signal {-process.returncode} while it "
+                     f"started (log: {log_path}); starting it again")
+
+
 def run_configuration(config, variants=("default", "tic"), rounds: int = 5, steps: int = 3,
                       traces: int = 3, workdir: str = "/tmp", timeout: float = 900.0,
                       loopback: bool = False) -> dict:
     """Runs one configuration (a :class:`tfoverlap.bench.ps.Configuration`) as a TF2 job
     on a fresh emulated network (``loopback``: on plain loopback, the links unshaped);
     returns the raw measurements."""
-    from tfoverlap.bench.ps import (Workers, choose_dilation, measure_rounds, memory_summary,
-                                    variant_spec)
+    from tfoverlap.bench.ps import choose_dilation, measure_rounds, memory_summary, variant_spec
     from tfoverlap.testbed.cluster import PsCluster, hosts_needed
-    from tfoverlap.testbed.network import EmulatedNetwork, LineChannel, free_ports
+    from tfoverlap.testbed.network import EmulatedNetwork, free_ports
     variants = tuple(variants)
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown or "default" not in variants:
@@ -90,15 +124,7 @@ def run_configuration(config, variants=("default", "tic"), rounds: int = 5, step
                 specs[name]["tfoverlap"]["report_dir"] = _report_dir(workdir, name)
         chief_config = {**dataclasses.asdict(config), "spec": cluster.spec,
                         "dilation": dilation, "variants": specs}
-        log_path = os.path.join(workdir, "chief.log")
-        with open(log_path, "w") as log:
-            process = network.spawn_launcher(
-                [sys.executable, "-m", "tfoverlap.bench.ps_strategy_chief",
-                 json.dumps(chief_config)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        chief = Workers([LineChannel(process, f"the coordinator (log: {log_path})")], timeout)
-        graph = chief.ready()[0]      # the variables are on the PS tasks, initialized
+        process, chief, graph = _start_coordinator(network, chief_config, workdir, timeout)
         initialized = cluster.resident_memory()["ps"]
         calibration = []
         if config.emulate and config.dilation is None:
