@@ -152,10 +152,10 @@ def build_horovod_graphs(scripts: dict, directory) -> dict:
 IN_SEQUENCE = os.path.join(os.path.dirname(__file__), "jobs", "in_sequence.py")
 
 
-def run_jobs_in_sequence(ranks: int, jobs, timeout: float) -> None:
+def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gloo") -> None:
     """Runs the ``(script, env)`` job scripts one after another in one Horovod job of
-    ``ranks`` Gloo ranks (loopback; tests/jobs/in_sequence.py); each script's records are
-    where its ``env`` told it to write them."""
+    ``ranks`` ranks (loopback, ``controller`` "gloo" or "mpi"; tests/jobs/in_sequence.py);
+    each script's records are where its ``env`` told it to write them."""
     from tfoverlap.testbed.horovod_launch import run_horovod
     from tfoverlap.testbed.network import EmulatedNetwork
     argv = []
@@ -163,5 +163,5 @@ def run_jobs_in_sequence(ranks: int, jobs, timeout: float) -> None:
         argv += [f"{name}={value}" for name, value in env.items()] + [script, ";"]
     with EmulatedNetwork(ranks, loopback=True) as network:
         result = run_horovod(network, ranks, [sys.executable, IN_SEQUENCE] + argv,
-                             controller="gloo", timeout=timeout)
+                             controller=controller, timeout=timeout)
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]

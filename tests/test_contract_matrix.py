@@ -10,12 +10,10 @@ alone.
 import itertools
 import json
 import os
-import sys
 
 import pytest
 
-from tfoverlap.testbed.horovod_launch import run_horovod
-from tfoverlap.testbed.network import EmulatedNetwork
+from tests.helpers import run_jobs_in_sequence
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "contract_matrix.py")
 APIS = ("graph", "tape", "keras", "keras_tf")
@@ -52,10 +50,7 @@ def _cases(variants):
 
 def _records(directory, controller: str, cases) -> list[dict]:
     env = {"CONTRACT_RECORDS": str(directory), "CONTRACT_CASES": ",".join(cases)}
-    with EmulatedNetwork(2, loopback=True) as network:
-        result = run_horovod(network, 2, [sys.executable, JOB], controller=controller,
-                             timeout=900, env=env)
-    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    run_jobs_in_sequence(2, [(JOB, env)], timeout=900, controller=controller)
     return [json.loads((directory / f"rank-{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tfoverlap.costs.network import ring_allreduce_seconds
-from tfoverlap.testbed.horovod_launch import run_horovod
-from tfoverlap.testbed.network import EmulatedNetwork
-from tests.helpers import build_horovod_graph, run_plain_program_with_and_without
+from tests.helpers import (build_horovod_graph, run_jobs_in_sequence,
+                           run_plain_program_with_and_without)
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "decoupled_training.py")
 STEPS = 20
@@ -157,10 +156,7 @@ def _job_records(directory, ranks: int, steps: int, runs=(), checkpointed=(),
         env["DECOUPLED_CHECKPOINTED"] = ",".join(checkpointed)
     if checkpoint_kinds is not None:
         env["DECOUPLED_CHECKPOINT_KINDS"] = ",".join(checkpoint_kinds)
-    with EmulatedNetwork(ranks, loopback=True) as network:
-        result = run_horovod(network, ranks, [sys.executable, JOB], controller="gloo",
-                             timeout=600, env=env)
-    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
+    run_jobs_in_sequence(ranks, [(JOB, env)], timeout=600)
     return [json.loads((directory / f"rank-{rank}.json").read_text())
             for rank in range(ranks)]
 

@@ -4,6 +4,10 @@
 argv: groups separated by ";", each ``[NAME=VALUE ...] script.py [argument ...]``: the
 environment variables the script reads (set for that script alone), then the script and
 its argv. Each runs as ``__main__``; the first to fail ends the job with its error.
+
+Once every script has run (their records written), the process shuts Horovod down and exits
+at once, without the interpreter's teardown: in a 2-rank job that had trained some 70 models that teardown took
+15 s, against 2-3 s for either half of them alone.
 """
 import os
 import runpy
@@ -34,3 +38,8 @@ if __name__ == "__main__":
         os.environ.update(environment, **settings)
         sys.argv = list(script_argv)
         runpy.run_path(script_argv[0], run_name="__main__")
+    if "horovod.tensorflow" in sys.modules:     # under MPI: finalize it as a rank must
+        sys.modules["horovod.tensorflow"].shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
