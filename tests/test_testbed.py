@@ -217,6 +217,33 @@ def test_horovod_launcher_runs_one_rank_per_host(controller):
     assert leftovers() == []
 
 
+_DIES_OR_WAITS = """
+import os, signal, time
+import horovod.tensorflow as hvd
+hvd.init()
+if hvd.rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)     # as the kernel's OOM killer does
+time.sleep(600)     # a rank that never notices (rank 0 of such a job spun for 12 min)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not IS_ROOT, reason="ranks in namespaces need root")
+def test_a_rank_that_dies_ends_the_job_instead_of_leaving_the_others_waiting(monkeypatch):
+    """Rank 1 is killed after Horovod's start-up; rank 0 goes on as if nothing happened:
+    the launcher kills rank 0 once the grace after the first failure has passed, and the
+    job ends with the failure, long before its timeout."""
+    from tfoverlap.testbed import horovod_launch
+    monkeypatch.setattr(horovod_launch, "FAILED_RANK_GRACE_S", 2.0)
+    start = time.monotonic()
+    with EmulatedNetwork(2, bandwidth=125e6) as network:
+        result = horovod_launch.run_horovod(network, 2, [sys.executable, "-c", _DIES_OR_WAITS],
+                                            controller="gloo", timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.outputs
+    assert time.monotonic() - start < 120
+    assert leftovers() == []
+
+
 # ---------------------------------------------------------------- PS cluster layouts
 def test_layouts_say_how_many_hosts_they_take():
     from tfoverlap.testbed.cluster import LocalCluster, hosts_needed
