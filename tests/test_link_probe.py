@@ -13,9 +13,6 @@ from tfoverlap.integrations import link_probe
 from tfoverlap.options import parse_options
 from tfoverlap.planning.tictac import link_figures
 from tfoverlap.testbed.cluster import LocalCluster
-from tfoverlap.testbed.models import chain_model
-
-from helpers import run_python
 
 
 def test_equal_times_are_rejected_not_taken_as_terabytes_per_second():
@@ -89,8 +86,7 @@ _FILTERED_WORKER = textwrap.dedent("""
     import json, sys, time
     import tensorflow as tf
     import tfoverlap
-    from tfoverlap.testbed.models import chain_model
-    spec, variant = json.loads(sys.argv[1]), sys.argv[2]
+        spec, variant = json.loads(sys.argv[1]), sys.argv[2]
     config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
     server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker",
                                   task_index=0, config=config, start=True)

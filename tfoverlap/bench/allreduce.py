@@ -484,15 +484,16 @@ def main(argv=None) -> int:
                              f"{', '.join(DEFAULT_BATCH)}")
         bandwidths = [None if b.strip() == "unshaped" else parse_bandwidth(b)
                       for b in args.bandwidths.split(",")]
-        from tfoverlap.bench.allreduce_worker import VARIANT_NAMES
         if args.api == "keras":
             from tfoverlap.bench.keras_worker import VARIANTS as VARIANT_NAMES
             if args.variants == MAIN_JOB_VARIANTS:
                 args.variants = "horovod,horovod_again,ddp25,caramel"
-        if args.api == "tape":
+        elif args.api == "tape":
             from tfoverlap.bench.keras_worker import TAPE_VARIANTS as VARIANT_NAMES
             if args.variants == MAIN_JOB_VARIANTS:
                 args.variants = "horovod,horovod_again,caramel"
+        else:
+            from tfoverlap.bench.allreduce_worker import VARIANT_NAMES
         if args.api in ("keras", "tape"):
             if args.steps_per_execution < 1:
                 raise ValueError("--steps-per-execution must be >= 1")
