@@ -86,7 +86,8 @@ _FILTERED_WORKER = textwrap.dedent("""
     import json, sys, time
     import tensorflow as tf
     import tfoverlap
-        spec, variant = json.loads(sys.argv[1]), sys.argv[2]
+    from tfoverlap.testbed.models import chain_model
+    spec, variant = json.loads(sys.argv[1]), sys.argv[2]
     config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
     server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker",
                                   task_index=0, config=config, start=True)
