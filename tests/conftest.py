@@ -40,3 +40,48 @@ def horovod_graphs(request, tmp_path_factory):
 
 class _Graphs(dict):
     paths: dict
+
+
+@pytest.fixture(scope="session")
+def horovod_jobs(request, tmp_path_factory):
+    """Runs the Horovod job scripts that the selected tests' modules declare (a
+    module-level ``HOROVOD_JOBS = {name: helpers.HorovodJob}``; names are global): every
+    job of the same ranks and controller in one Horovod job, the first time one of them is
+    asked for. ``horovod_jobs(name)`` is the directory its records were written to."""
+    declared = {}
+    modules = {getattr(item, "module", None) for item in request.session.items}
+    for module in sorted(modules - {None}, key=lambda module: module.__name__):
+        for name, job in getattr(module, "HOROVOD_JOBS", {}).items():
+            assert declared.setdefault(name, job) == job, f"two jobs named {name}"
+    return _HorovodJobs(declared, tmp_path_factory)
+
+
+class _HorovodJobs:
+    def __init__(self, declared: dict, tmp_path_factory):
+        self.declared, self.tmp_path_factory = declared, tmp_path_factory
+        self.directories, self.failures = {}, {}
+
+    def __call__(self, name: str):
+        from helpers import run_jobs_in_sequence
+        job = self.declared[name]
+        group = (job.ranks, job.controller)
+        if group in self.failures:      # the group's job failed once: not run again
+            raise self.failures[group]
+        if name not in self.directories:
+            # Scripts that turn eager execution off run after those that need it.
+            members = sorted((member for member, other in self.declared.items()
+                              if (other.ranks, other.controller) == group),
+                             key=lambda member: self.declared[member].disables_eager)
+            directories = {member: self.tmp_path_factory.mktemp(member) for member in members}
+            try:
+                run_jobs_in_sequence(
+                    job.ranks, [(self.declared[member].script,
+                                 self.declared[member].env(directories[member]))
+                                for member in members],
+                    timeout=sum(self.declared[member].timeout for member in members),
+                    controller=job.controller)
+            except BaseException as error:
+                self.failures[group] = error
+                raise
+            self.directories.update(directories)
+        return self.directories[name]

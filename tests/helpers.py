@@ -1,8 +1,11 @@
 """Shared pieces of the test suite."""
+import dataclasses
 import json
 import os
+import pathlib
 import subprocess
 import sys
+import typing
 
 import tensorflow as tf
 
@@ -150,6 +153,22 @@ def build_horovod_graphs(scripts: dict, directory) -> dict:
 
 
 IN_SEQUENCE = os.path.join(os.path.dirname(__file__), "jobs", "in_sequence.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class HorovodJob:
+    """A job script of tests/jobs/ that a test module declares (``HOROVOD_JOBS = {name:
+    HorovodJob(...)}``): the ``horovod_jobs`` fixture runs every declared job of the same
+    ranks and controller in one Horovod job (tests/jobs/in_sequence.py). ``env``: the
+    script's environment variables, given the directory it writes its records to.
+    ``disables_eager``: the script turns eager execution off for the process (a TF1
+    program), so it runs after the scripts that need it on."""
+    script: str
+    env: typing.Callable[[pathlib.Path], dict]
+    ranks: int = 2
+    controller: str = "gloo"
+    timeout: float = 600
+    disables_eager: bool = False
 
 
 def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gloo") -> None:

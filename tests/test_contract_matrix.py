@@ -1,9 +1,9 @@
 """The Horovod wrappers' contract over API x mechanism x Horovod's reduction arguments
 (tests/jobs/contract_matrix.py): every case trains bit for bit as plain Horovod does at 2
 ranks; a case the mechanism carries out says so in tfoverlap.horovod.core.decisions(), a case
-it cannot carry out is refused in one warning that names the reason. One Gloo job holds
-every case but Adasum, which Horovod runs under MPI only: one MPI job holds it, and Sum
-in graph mode. Plain Average is each mechanism's own suite's (tests/test_cross_step.py,
+it cannot carry out is refused in one warning that names the reason. The suite's one job
+of 2 Gloo ranks (conftest's ``horovod_jobs``) holds every case but Adasum, which Horovod
+runs under MPI only: one MPI job holds it, and Sum in graph mode. Plain Average is each mechanism's own suite's (tests/test_cross_step.py,
 tests/test_decoupled.py, tests/test_tape_decoupled.py); here it is tried through keras_tf
 alone.
 """
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.helpers import run_jobs_in_sequence
+from tests.helpers import HorovodJob
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "contract_matrix.py")
 APIS = ("graph", "tape", "keras", "keras_tf")
@@ -48,22 +48,34 @@ def _cases(variants):
             if (api, variant) not in NOT_HOROVODS | ELSEWHERE]
 
 
-def _records(directory, controller: str, cases) -> list[dict]:
-    env = {"CONTRACT_RECORDS": str(directory), "CONTRACT_CASES": ",".join(cases)}
-    run_jobs_in_sequence(2, [(JOB, env)], timeout=900, controller=controller)
-    return [json.loads((directory / f"rank-{rank}.json").read_text()) for rank in range(2)]
+def _env(cases):
+    """The job's environment for ``cases``, given its records' directory."""
+    return lambda directory: {"CONTRACT_RECORDS": str(directory),
+                              "CONTRACT_CASES": ",".join(cases)}
+
+
+HOROVOD_JOBS = {
+    # Plain Horovod is trained once per api/variant pair, for both mechanisms.
+    "contract_gloo": HorovodJob(JOB, _env(dict.fromkeys(
+        case.split("/", 1)[0] + "/" + case.rsplit("/", 1)[1]
+        for case in _cases(GLOO_VARIANTS))), timeout=900),
+    "contract_mpi": HorovodJob(JOB, _env(MPI_CASES), controller="mpi"),
+}
+
+
+def _records(horovod_jobs, name: str) -> list[dict]:
+    return [json.loads((horovod_jobs(name) / f"rank-{rank}.json").read_text())
+            for rank in range(2)]
 
 
 @pytest.fixture(scope="module")
-def gloo_records(tmp_path_factory):
-    pairs = dict.fromkeys(case.split("/", 1)[0] + "/" + case.rsplit("/", 1)[1]
-                          for case in _cases(GLOO_VARIANTS))
-    return _records(tmp_path_factory.mktemp("contract_gloo"), "gloo", pairs)
+def gloo_records(horovod_jobs):
+    return _records(horovod_jobs, "contract_gloo")
 
 
 @pytest.fixture(scope="module")
-def mpi_records(tmp_path_factory):
-    return _records(tmp_path_factory.mktemp("contract_mpi"), "mpi", MPI_CASES)
+def mpi_records(horovod_jobs):
+    return _records(horovod_jobs, "contract_mpi")
 
 
 def _check(records, case: str) -> None:

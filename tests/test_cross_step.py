@@ -1,5 +1,6 @@
-"""cross_step's contract, on 2 Horovod ranks (one Gloo job, tests/jobs/cross_step_contract.py):
-for each pattern of a TF1 training program, every value a run returns, every checkpoint
+"""cross_step's contract, on 2 Horovod ranks (tests/jobs/cross_step_contract.py, and the
+Keras and tape jobs further down, in the suite's one job of 2 Gloo ranks: conftest's
+``horovod_jobs``): for each pattern of a TF1 training program, every value a run returns, every checkpoint
 tensor and the final weights are plain Horovod's bit for bit; programs outside the
 contract are refused in one warning or stopped with a clear error before any collective."""
 import json
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import run_jobs_in_sequence, run_plain_program_with_and_without
+from tests.helpers import HorovodJob, run_plain_program_with_and_without
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "cross_step_contract.py")
 
@@ -17,24 +18,35 @@ EXACT = ["plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoi
          "nesterov", "make_callable", "monitored_session", "end_of_input"]
 
 
-def _contract_jobs(*jobs) -> list[list[dict]]:
-    """Runs the ``(job, checkpoints)`` pairs one after another in one job of 2 Gloo ranks;
-    per pair, each rank's JSON record (from the file the job writes: a long last line of
-    output may not come through horovodrun)."""
-    for _, checkpoints in jobs:
-        (checkpoints / "records").mkdir()
-    run_jobs_in_sequence(2, [(job, {"CROSS_STEP_CHECKPOINTS": checkpoints,
-                                    "CROSS_STEP_RECORDS": checkpoints / "records"})
-                             for job, checkpoints in jobs], timeout=600)
-    return [[json.loads((checkpoints / "records" / f"rank-{rank}.json").read_text())
-             for rank in range(2)] for _, checkpoints in jobs]
+def _cross_step_env(directory) -> dict:
+    """A cross-step job's environment: checkpoints in ``directory``, each rank's JSON
+    record in its records/ (a file: a long last line of output may not come through
+    horovodrun)."""
+    (directory / "records").mkdir()
+    return {"CROSS_STEP_CHECKPOINTS": directory, "CROSS_STEP_RECORDS": directory / "records"}
+
+
+HOROVOD_JOBS = {
+    "cross_step_graph": HorovodJob(JOB, _cross_step_env, disables_eager=True),
+    "cross_step_keras": HorovodJob(
+        os.path.join(os.path.dirname(__file__), "jobs", "keras_cross_step.py"),
+        _cross_step_env),
+    "cross_step_tape": HorovodJob(
+        os.path.join(os.path.dirname(__file__), "jobs", "tape_cross_step.py"),
+        _cross_step_env),
+}
+
+
+def _records(horovod_jobs, name: str) -> list[dict]:
+    """Each rank's record of the job ``name``."""
+    return [json.loads((horovod_jobs(name) / "records" / f"rank-{rank}.json").read_text())
+            for rank in range(2)]
 
 
 @pytest.fixture(scope="module")
-def patterns(tmp_path_factory):
+def patterns(horovod_jobs):
     """Each rank's record of each pattern and variant."""
-    (records,) = _contract_jobs((JOB, tmp_path_factory.mktemp("checkpoints")))
-    return [record["patterns"] for record in records]
+    return [record["patterns"] for record in _records(horovod_jobs, "cross_step_graph")]
 
 
 @pytest.mark.parametrize("pattern", EXACT)
@@ -208,22 +220,14 @@ def test_a_cross_step_setting_other_than_true_false_or_auto_is_named(value):
 
 # Keras model.fit (tests/jobs/keras_cross_step.py): the pending state lives inside one call
 # of the train function (steps_per_execution=4) and is drained before it returns.
-KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_cross_step.py")
 KERAS_EXACT = ["validation/sgd", "schedule", "checkpoint/adamw", "input_runs_out/adam",
                "embedding/legacy_momentum", "embedding_dense/legacy_adam"]
 
 
 @pytest.fixture(scope="module")
-def tf2_patterns(tmp_path_factory):
-    """The Keras and the tape jobs, in one Horovod job (both TF2, eager)."""
-    return _contract_jobs((KERAS_JOB, tmp_path_factory.mktemp("keras_checkpoints")),
-                          (TAPE_JOB, tmp_path_factory.mktemp("tape_checkpoints")))
-
-
-@pytest.fixture(scope="module")
-def keras_patterns(tf2_patterns):
+def keras_patterns(horovod_jobs):
     """Each rank's record of each Keras pattern and variant."""
-    return tf2_patterns[0]
+    return _records(horovod_jobs, "cross_step_keras")
 
 
 @pytest.mark.parametrize("pattern", KERAS_EXACT)
@@ -325,15 +329,14 @@ def test_keras_fit_outside_the_contract_defers_nothing_says_why_and_trains_exact
 # TF2 custom loops (tests/jobs/tape_cross_step.py): a DistributedGradientTape step in a
 # loop inside one tf.function; the pending state lives inside one call and is drained
 # after the loop.
-TAPE_JOB = os.path.join(os.path.dirname(__file__), "jobs", "tape_cross_step.py")
 TAPE_EXACT = ["between_calls/sgd", "schedule", "iterator/legacy_adam", "input_runs_out/adam",
               "checkpoint/adamw"]
 
 
 @pytest.fixture(scope="module")
-def tape_patterns(tf2_patterns):
+def tape_patterns(horovod_jobs):
     """Each rank's record of each tape pattern and variant."""
-    return tf2_patterns[1]
+    return _records(horovod_jobs, "cross_step_tape")
 
 
 @pytest.mark.parametrize("pattern", TAPE_EXACT)

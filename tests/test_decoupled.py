@@ -1,6 +1,7 @@
 """Decoupled reduction: reduce-scatter under the backward pass, sharded update, all-gather
 under the next forward pass. The plan on plain numbers and on a Horovod graph, the CLI,
-and a 2-rank Gloo job (tests/jobs/decoupled_training.py) that trains two models 20 steps
+and a 2-rank Gloo job (tests/jobs/decoupled_training.py, in the suite's one job of 2
+ranks: conftest's ``horovod_jobs``) that trains two models 20 steps
 with and without it and compares every value bit for bit, also across checkpoints."""
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tfoverlap.costs.network import ring_allreduce_seconds
-from tests.helpers import (build_horovod_graph, run_jobs_in_sequence,
+from tests.helpers import (HorovodJob, build_horovod_graph,
                            run_plain_program_with_and_without)
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "decoupled_training.py")
@@ -144,26 +145,43 @@ def test_the_cli_shows_the_decoupled_plan_beside_the_others(chain_graph, capsys)
     assert [row.split()[0] for row in rows] == ["default", "caramel", "decoupled"]
 
 
-def _job_records(directory, ranks: int, steps: int, runs=(), checkpointed=(),
-                 checkpoint_kinds=None) -> list[dict]:
-    """Each rank's record of every model, optimizer and variant of the job (``runs`` and
-    ``checkpointed`` alone, where given; ``checkpoint_kinds``: the kinds of checkpoint
-    beside Saver's, of "monitored" and "object")."""
-    env = {"DECOUPLED_RECORDS": str(directory), "DECOUPLED_STEPS": str(steps)}
-    if runs:
-        env["DECOUPLED_RUNS"] = ",".join(runs)
-    if checkpointed:
-        env["DECOUPLED_CHECKPOINTED"] = ",".join(checkpointed)
-    if checkpoint_kinds is not None:
-        env["DECOUPLED_CHECKPOINT_KINDS"] = ",".join(checkpoint_kinds)
-    run_jobs_in_sequence(ranks, [(JOB, env)], timeout=600)
-    return [json.loads((directory / f"rank-{rank}.json").read_text())
-            for rank in range(ranks)]
+def _job_env(steps: int, runs=(), checkpointed=(), checkpoint_kinds=None):
+    """The job's environment, given its records' directory: ``steps`` steps, ``runs`` and
+    ``checkpointed`` alone (where given), ``checkpoint_kinds`` (of "monitored" and
+    "object") beside Saver's checkpoints."""
+    def env(directory) -> dict:
+        settings = {"DECOUPLED_RECORDS": str(directory), "DECOUPLED_STEPS": str(steps)}
+        if runs:
+            settings["DECOUPLED_RUNS"] = ",".join(runs)
+        if checkpointed:
+            settings["DECOUPLED_CHECKPOINTED"] = ",".join(checkpointed)
+        if checkpoint_kinds is not None:
+            settings["DECOUPLED_CHECKPOINT_KINDS"] = ",".join(checkpoint_kinds)
+        return settings
+    return env
+
+
+#: At 3 ranks: one run, of two slots a variable, through a Saver's checkpoint (see
+#: test_at_3_ranks_the_results_are_horovods_up_to_summation_order)
+AT_3_RANKS = "convnet/adam"
+HOROVOD_JOBS = {
+    "decoupled_graph": HorovodJob(JOB, _job_env(STEPS), disables_eager=True),
+    "decoupled_graph_3_ranks": HorovodJob(
+        JOB, _job_env(10, [AT_3_RANKS], [AT_3_RANKS], checkpoint_kinds=()), ranks=3,
+        disables_eager=True),
+}
+
+
+def _job_records(horovod_jobs, name: str) -> list[dict]:
+    """Each rank's record of every model, optimizer and variant of the job ``name``."""
+    job = HOROVOD_JOBS[name]
+    return [json.loads((horovod_jobs(name) / f"rank-{rank}.json").read_text())
+            for rank in range(job.ranks)]
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    return _job_records(tmp_path_factory.mktemp("decoupled_records"), 2, STEPS)
+def records(horovod_jobs):
+    return _job_records(horovod_jobs, "decoupled_graph")
 
 
 @pytest.mark.parametrize("run", ["chain/sgd", "chain/momentum", "convnet/adam"])
@@ -188,7 +206,7 @@ def test_decoupled_training_is_horovods_bit_for_bit_with_half_the_optimizer_stat
         assert decoupled["optimizer_bytes"] <= plain["optimizer_bytes"] / 2 + 4 * buckets * slots
 
 
-def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
+def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(horovod_jobs):
     """At more than 2 ranks the reduce-scatter may add the ranks' gradients in another
     order than Horovod's ring, and at 3 no bucket need divide evenly: 10 steps stay within
     a few float32 ulps of plain Horovod, each rank holds a third of the optimizer state
@@ -198,8 +216,8 @@ def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
     depend on the optimizer or the model (the hypothesis test above covers 1 to 9 ranks),
     and the other checkpoint kinds share the Saver's consolidation and restore (tested at
     2 ranks). (3 ranks, not 4: a quarter less of the job on a 2-core host.)"""
-    run, ranks = "convnet/adam", 3
-    for whole in _job_records(tmp_path, ranks, 10, [run], [run], checkpoint_kinds=()):
+    run, ranks = AT_3_RANKS, 3
+    for whole in _job_records(horovod_jobs, "decoupled_graph_3_ranks"):
         plain, decoupled = whole["records"][run]["horovod"], whole["records"][run]["decoupled"]
         assert "error" not in decoupled and decoupled["decoupled"]["decoupled"] >= 2
         np.testing.assert_allclose(decoupled["losses"], plain["losses"], rtol=2e-6)

@@ -1,7 +1,8 @@
 """tfoverlap.horovod's cross_step on programs at the edge of its contract: fp16
 compression, a NumPy learning rate, a variable without gradient, a sparse gradient, and
-the deferred AllReduces kept out of the step's plan (one 2-rank Gloo job, tests/jobs/
-horovod_wrapper.py, plus checks of the refusals that need no job)."""
+the deferred AllReduces kept out of the step's plan (tests/jobs/horovod_wrapper.py, in
+the suite's one job of 2 Gloo ranks: conftest's ``horovod_jobs``; plus checks of the
+refusals that need no job)."""
 import json
 import os
 import sys
@@ -9,21 +10,21 @@ import sys
 import numpy as np
 import pytest
 
-from tfoverlap.testbed.horovod_launch import run_horovod
-from tfoverlap.testbed.network import EmulatedNetwork
+from tests.helpers import HorovodJob
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "horovod_wrapper.py")
 
 
+HOROVOD_JOBS = {"horovod_wrapper": HorovodJob(
+    JOB, lambda directory: {"WRAPPER_RECORDS": str(directory)}, disables_eager=True)}
+
+
 @pytest.fixture(scope="module")
-def variants():
+def variants(horovod_jobs):
     """Each rank's record of each variant of the job."""
-    with EmulatedNetwork(2, loopback=True) as network:
-        result = run_horovod(network, 2, [sys.executable, JOB], controller="gloo",
-                             timeout=300)
-    assert result.returncode == 0, [output[-3000:] for output in result.outputs]
-    return [json.loads(next(line for line in output.splitlines() if line.startswith("{")))
-            ["variants"] for output in result.outputs]
+    directory = horovod_jobs("horovod_wrapper")
+    return [json.loads((directory / f"rank-{rank}.json").read_text())["variants"]
+            for rank in range(2)]
 
 
 def test_cross_step_with_fp16_compression_defers_and_trains_like_horovod(variants):

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.helpers import run_jobs_in_sequence
+from tests.helpers import HorovodJob
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "tape_decoupled.py")
 KERAS_JOB = os.path.join(os.path.dirname(__file__), "jobs", "keras_decoupled.py")
@@ -25,45 +25,40 @@ AT_3_RANKS = "convnet/adam"
 EXACT = ["chain/sgd", "chain/adamw", "chain/legacy_momentum", "chain/schedule"]
 
 
-def _job_env(directory, steps: int, runs=None, checkpointed=()) -> dict:
-    """What a job reads: where to write, how many steps, ``runs`` and ``checkpointed``
-    alone (where given)."""
-    env = {"TAPE_DECOUPLED_RECORDS": str(directory), "TAPE_DECOUPLED_STEPS": str(steps)}
-    if runs is not None:
-        env["TAPE_DECOUPLED_RUNS"] = ",".join(runs)
-    if checkpointed:
-        env["TAPE_DECOUPLED_CHECKPOINTED"] = ",".join(checkpointed)
+def _job_env(steps: int, runs=None, checkpointed=()):
+    """A job's environment, given its records' directory: ``steps`` steps, ``runs`` and
+    ``checkpointed`` alone (where given)."""
+    def env(directory) -> dict:
+        settings = {"TAPE_DECOUPLED_RECORDS": str(directory),
+                    "TAPE_DECOUPLED_STEPS": str(steps)}
+        if runs is not None:
+            settings["TAPE_DECOUPLED_RUNS"] = ",".join(runs)
+        if checkpointed:
+            settings["TAPE_DECOUPLED_CHECKPOINTED"] = ",".join(checkpointed)
+        return settings
     return env
 
 
-def _jobs_records(ranks: int, *jobs) -> list[list[dict]]:
-    """Runs the ``(job, env, directory, prefix)`` jobs one after another in one Horovod job
-    of ``ranks`` Gloo ranks; per job, each rank's record (``directory``/``prefix``-N.json)."""
-    run_jobs_in_sequence(ranks, [(job, env) for job, env, _, _ in jobs], timeout=900)
-    return [[json.loads((directory / f"{prefix}-{rank}.json").read_text())
-             for rank in range(ranks)] for _, _, directory, prefix in jobs]
+#: The tape job (STEPS steps), the Keras job (100) and, at 3 ranks, the tape job's
+#: AT_3_RANKS run alone through a checkpoint.
+HOROVOD_JOBS = {
+    "decoupled_tape": HorovodJob(JOB, _job_env(STEPS)),
+    "decoupled_keras": HorovodJob(KERAS_JOB, _job_env(100)),
+    "decoupled_tape_3_ranks": HorovodJob(JOB, _job_env(12, runs=[],
+                                                       checkpointed=[AT_3_RANKS]), ranks=3),
+}
 
 
-def _job_records(directory, ranks: int, steps: int, runs=None, checkpointed=()) -> list[dict]:
-    """Each rank's record of every run and variant of the tape job (``runs`` and
-    ``checkpointed`` alone, where given)."""
-    (records,) = _jobs_records(ranks, (JOB, _job_env(directory, steps, runs, checkpointed),
-                                       directory, "rank"))
-    return records
-
-
-@pytest.fixture(scope="module")
-def tf2_records(tmp_path_factory):
-    """The tape job (20 steps) and the Keras job (100), in one Horovod job of 2 ranks."""
-    tape, keras = (tmp_path_factory.mktemp(name) for name in ("tape_decoupled",
-                                                                "keras_decoupled"))
-    return _jobs_records(2, (JOB, _job_env(tape, STEPS), tape, "rank"),
-                         (KERAS_JOB, _job_env(keras, 100), keras, "keras-rank"))
+def _job_records(horovod_jobs, name: str, prefix: str = "rank") -> list[dict]:
+    """Each rank's record of the job ``name`` (``prefix``-N.json)."""
+    directory = horovod_jobs(name)
+    return [json.loads((directory / f"{prefix}-{rank}.json").read_text())
+            for rank in range(HOROVOD_JOBS[name].ranks)]
 
 
 @pytest.fixture(scope="module")
-def records(tf2_records):
-    return tf2_records[0]
+def records(horovod_jobs):
+    return _job_records(horovod_jobs, "decoupled_tape")
 
 
 def _decoupled(record) -> int:
@@ -213,14 +208,14 @@ def test_checkpoints_hold_the_whole_state_under_plain_keys_and_restore_both_ways
             assert continued["slots"] == straight["slots"], rank
 
 
-def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
+def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(horovod_jobs):
     """At more than 2 ranks the reduce-scatter may add the ranks' gradients in another
     order than Horovod's ring, and at 3 no bucket need divide evenly: 12 steps (saved after
     the first call, restored, trained on) stay within a few float32 ulps of plain Horovod,
     each rank holds a third of the optimizer state (plus padding), and the checkpoints and
     every continuation from them stay as close."""
     ranks = 3
-    for record in _job_records(tmp_path, ranks, 12, runs=[], checkpointed=[AT_3_RANKS]):
+    for record in _job_records(horovod_jobs, "decoupled_tape_3_ranks"):
         saved = record["checkpoints"][AT_3_RANKS]
         assert "error" not in saved, saved.get("error")
         plain, ours = saved["horovod"], saved["tfoverlap"]
@@ -246,8 +241,8 @@ def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def keras_records(tf2_records):
-    return tf2_records[1]
+def keras_records(horovod_jobs):
+    return _job_records(horovod_jobs, "decoupled_keras", prefix="keras-rank")
 
 
 @pytest.mark.parametrize("run", KERAS_RUNS)

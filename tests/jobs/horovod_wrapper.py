@@ -1,11 +1,12 @@
 """A Horovod job for tests/test_horovod_wrapper.py: tfoverlap.horovod's cross_step on a
 chain of dense layers, in each variant of :data:`VARIANTS`, trained 3 steps next to plain
-Horovod with the same optimizer and compression from the same initial weights. Prints one
-JSON line per rank: per variant, whether losses and final weights (after the flush) are
+Horovod with the same optimizer and compression from the same initial weights. Writes one
+JSON record per rank ($WRAPPER_RECORDS/rank-N.json): per variant, whether losses and final weights (after the flush) are
 Horovod's, what was deferred, the Caramel pass's summary of the step and tfoverlap's
 warnings."""
 import json
 import logging
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -91,4 +92,5 @@ for variant in VARIANTS:
                                                                        deferred["weights"])),
         "deferred": deferred["deferred"], "caramel": caramel[0] if caramel else {},
         "warnings": list(caught.messages)}
-print(json.dumps({"rank": hvd.rank(), "variants": results}, default=str), flush=True)
+with open(os.path.join(os.environ["WRAPPER_RECORDS"], f"rank-{hvd.rank()}.json"), "w") as f:
+    json.dump({"rank": hvd.rank(), "variants": results}, f, default=str)

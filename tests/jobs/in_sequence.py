@@ -4,7 +4,9 @@
 argv: groups separated by ";", each ``[NAME=VALUE ...] script.py [argument ...]``: the
 environment variables the script reads (set for that script alone), then the script and
 its argv. Each runs as ``__main__``; the first to fail (an error, or a non-zero exit) ends
-the job with its error.
+the job with its error. Each starts as it would in a process of its own where tfoverlap
+is concerned: default options, no log handlers of the scripts before it, and no message
+remembered as said (each script counts the warnings it gets).
 
 Once every script has run (their records written), the process shuts Horovod down and
 exits at once, without the interpreter's teardown: in a 2-rank job that had trained some
@@ -13,6 +15,18 @@ exits at once, without the interpreter's teardown: in a 2-rank job that had trai
 import os
 import runpy
 import sys
+
+
+def fresh_tfoverlap_state(handlers: list) -> None:
+    """What a script before may have left in tfoverlap: its options, its log handlers
+    (``handlers``: the logger's own), the messages said once."""
+    if "tfoverlap.log" in sys.modules:
+        log = sys.modules["tfoverlap.log"]
+        log.logger.handlers[:] = handlers
+        with log._said_lock:  # noqa: SLF001 - the process-wide memory of warn_once
+            log._said.clear()  # noqa: SLF001
+    if "tfoverlap.horovod" in sys.modules:
+        sys.modules["tfoverlap.horovod"].configure()
 
 
 def groups(argv: list[str]) -> list[tuple[dict, list[str]]]:
@@ -34,7 +48,10 @@ def groups(argv: list[str]) -> list[tuple[dict, list[str]]]:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     environment = dict(os.environ)
+    import logging
+    handlers = list(logging.getLogger("tfoverlap").handlers)
     for settings, script_argv in groups(sys.argv[1:]):
+        fresh_tfoverlap_state(handlers)
         os.environ.clear()
         os.environ.update(environment, **settings)
         sys.argv = list(script_argv)
