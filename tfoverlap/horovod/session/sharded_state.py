@@ -121,17 +121,16 @@ class ShardedState:
         from tensorflow.python.ops import resource_variable_ops
         shape, slot = self.variables[i].shape, self.slots[b][position]
 
-        def refused():
-            with tf.control_dependencies([tf.debugging.Assert(
-                    self.has_whole(i, position), [CONSOLIDATE_FIRST])]):
+        def not_whole():
+            # Without the whole, only a slot never stepped (no value yet) can be saved.
+            never_stepped = tf.logical_not(
+                resource_variable_ops.var_is_initialized_op(slot.handle))
+            with tf.control_dependencies([tf.debugging.Assert(never_stepped,
+                                                              [CONSOLIDATE_FIRST])]):
                 return tf.zeros(shape)
 
-        def never_stepped():
-            return tf.cond(resource_variable_ops.var_is_initialized_op(slot.handle),
-                           refused, lambda: tf.zeros(shape))
-
         return tf.cond(self.has_whole(i, position), lambda: self.read_whole(i, position),
-                       never_stepped)
+                       not_whole)
 
     def saved_value(self, i, position):
         """What a checkpoint writes of pair ``i``'s slot at ``position``."""
