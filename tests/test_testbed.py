@@ -141,8 +141,9 @@ def test_a_second_run_is_refused_while_one_is_active():
 # The holder restores Python's Ctrl-C handler: a test run started in the background by a
 # non-interactive shell inherits SIGINT as ignored.
 _HOLDER = """
-import signal, subprocess, sys, time
+import faulthandler, signal, subprocess, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
+faulthandler.register(signal.SIGUSR1)   # where it hangs, if it does (once in a full run)
 from tfoverlap.testbed.network import EmulatedNetwork
 with EmulatedNetwork(2, bandwidth=12.5e6) as network:
     child = network.spawn(1, ["sleep", "1000"])
@@ -191,6 +192,8 @@ def test_interrupted_run_tears_everything_down(signum):
         assert holder.wait(timeout=30) != 0
     finally:
         if holder.poll() is None:       # never leave a holder with the lock behind
+            holder.send_signal(signal.SIGUSR1)  # its threads' stacks, to the test's stderr
+            time.sleep(1)
             holder.kill()
             holder.wait()
     assert leftovers() == []
