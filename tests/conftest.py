@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -24,18 +25,23 @@ def horovod_graphs(request, tmp_path_factory):
     import tensorflow as tf
 
     from helpers import build_horovod_graphs
-    scripts = {}
-    modules = {getattr(item, "module", None) for item in request.session.items}
-    for module in sorted(modules - {None}, key=lambda module: module.__name__):
-        for name, script in getattr(module, "HOROVOD_GRAPHS", {}).items():
-            assert scripts.setdefault(name, script) == script, f"two graphs named {name}"
-    paths = build_horovod_graphs(scripts, tmp_path_factory.mktemp("horovod_graphs"))
+    paths = build_horovod_graphs(_declared(request, "HOROVOD_GRAPHS"), tmp_path_factory.mktemp("horovod_graphs"))
     graphs = _Graphs()
     graphs.paths = paths
     for name, path in paths.items():
         graphs[name] = tf.compat.v1.GraphDef()
         graphs[name].ParseFromString(path.read_bytes())
     return graphs
+
+
+def _declared(request, attribute: str) -> dict:
+    """The ``attribute`` dicts of the selected tests' modules, merged (names are global)."""
+    declared = {}
+    modules = {getattr(item, "module", None) for item in request.session.items}
+    for module in sorted(modules - {None}, key=lambda module: module.__name__):
+        for name, value in getattr(module, attribute, {}).items():
+            assert declared.setdefault(name, value) == value, f"two {attribute} named {name}"
+    return declared
 
 
 class _Graphs(dict):
@@ -47,13 +53,9 @@ def horovod_jobs(request, tmp_path_factory):
     """Runs the Horovod job scripts that the selected tests' modules declare (a
     module-level ``HOROVOD_JOBS = {name: helpers.HorovodJob}``; names are global): every
     job of the same ranks and controller in one Horovod job, the first time one of them is
-    asked for. ``horovod_jobs(name)`` is the directory its records were written to."""
-    declared = {}
-    modules = {getattr(item, "module", None) for item in request.session.items}
-    for module in sorted(modules - {None}, key=lambda module: module.__name__):
-        for name, job in getattr(module, "HOROVOD_JOBS", {}).items():
-            assert declared.setdefault(name, job) == job, f"two jobs named {name}"
-    return _HorovodJobs(declared, tmp_path_factory)
+    asked for. ``horovod_jobs(name)`` is the directory its records were written to;
+    ``horovod_jobs.records(name)`` each rank's JSON record in it."""
+    return _HorovodJobs(_declared(request, "HOROVOD_JOBS"), tmp_path_factory)
 
 
 class _HorovodJobs:
@@ -85,3 +87,9 @@ class _HorovodJobs:
                 raise
             self.directories.update(directories)
         return self.directories[name]
+
+    def records(self, name: str, file: str = "rank-{rank}.json") -> list:
+        """Each rank's JSON record of the job ``name`` (``file`` in its directory)."""
+        directory = self(name)
+        return [json.loads((directory / file.format(rank=rank)).read_text())
+                for rank in range(self.declared[name].ranks)]

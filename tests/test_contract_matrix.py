@@ -8,7 +8,6 @@ tests/test_decoupled.py, tests/test_tape_decoupled.py); here it is tried through
 alone.
 """
 import itertools
-import json
 import os
 
 import pytest
@@ -63,19 +62,14 @@ HOROVOD_JOBS = {
 }
 
 
-def _records(horovod_jobs, name: str) -> list[dict]:
-    return [json.loads((horovod_jobs(name) / f"rank-{rank}.json").read_text())
-            for rank in range(2)]
-
-
 @pytest.fixture(scope="module")
 def gloo_records(horovod_jobs):
-    return _records(horovod_jobs, "contract_gloo")
+    return horovod_jobs.records("contract_gloo")
 
 
 @pytest.fixture(scope="module")
 def mpi_records(horovod_jobs):
-    return _records(horovod_jobs, "contract_mpi")
+    return horovod_jobs.records("contract_mpi")
 
 
 def _check(records, case: str) -> None:

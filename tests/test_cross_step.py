@@ -3,7 +3,6 @@ Keras and tape jobs further down, in the suite's one job of 2 Gloo ranks: confte
 ``horovod_jobs``): for each pattern of a TF1 training program, every value a run returns, every checkpoint
 tensor and the final weights are plain Horovod's bit for bit; programs outside the
 contract are refused in one warning or stopped with a clear error before any collective."""
-import json
 import os
 import sys
 
@@ -26,6 +25,7 @@ def _cross_step_env(directory) -> dict:
     return {"CROSS_STEP_CHECKPOINTS": directory, "CROSS_STEP_RECORDS": directory / "records"}
 
 
+RECORD = "records/rank-{rank}.json"
 HOROVOD_JOBS = {
     "cross_step_graph": HorovodJob(JOB, _cross_step_env, disables_eager=True),
     "cross_step_keras": HorovodJob(
@@ -37,16 +37,10 @@ HOROVOD_JOBS = {
 }
 
 
-def _records(horovod_jobs, name: str) -> list[dict]:
-    """Each rank's record of the job ``name``."""
-    return [json.loads((horovod_jobs(name) / "records" / f"rank-{rank}.json").read_text())
-            for rank in range(2)]
-
-
 @pytest.fixture(scope="module")
 def patterns(horovod_jobs):
     """Each rank's record of each pattern and variant."""
-    return [record["patterns"] for record in _records(horovod_jobs, "cross_step_graph")]
+    return [record["patterns"] for record in horovod_jobs.records("cross_step_graph", RECORD)]
 
 
 @pytest.mark.parametrize("pattern", EXACT)
@@ -227,7 +221,7 @@ KERAS_EXACT = ["validation/sgd", "schedule", "checkpoint/adamw", "input_runs_out
 @pytest.fixture(scope="module")
 def keras_patterns(horovod_jobs):
     """Each rank's record of each Keras pattern and variant."""
-    return _records(horovod_jobs, "cross_step_keras")
+    return horovod_jobs.records("cross_step_keras", RECORD)
 
 
 @pytest.mark.parametrize("pattern", KERAS_EXACT)
@@ -336,7 +330,7 @@ TAPE_EXACT = ["between_calls/sgd", "schedule", "iterator/legacy_adam", "input_ru
 @pytest.fixture(scope="module")
 def tape_patterns(horovod_jobs):
     """Each rank's record of each tape pattern and variant."""
-    return _records(horovod_jobs, "cross_step_tape")
+    return horovod_jobs.records("cross_step_tape", RECORD)
 
 
 @pytest.mark.parametrize("pattern", TAPE_EXACT)

@@ -172,16 +172,9 @@ HOROVOD_JOBS = {
 }
 
 
-def _job_records(horovod_jobs, name: str) -> list[dict]:
-    """Each rank's record of every model, optimizer and variant of the job ``name``."""
-    job = HOROVOD_JOBS[name]
-    return [json.loads((horovod_jobs(name) / f"rank-{rank}.json").read_text())
-            for rank in range(job.ranks)]
-
-
 @pytest.fixture(scope="module")
 def records(horovod_jobs):
-    return _job_records(horovod_jobs, "decoupled_graph")
+    return horovod_jobs.records("decoupled_graph")
 
 
 @pytest.mark.parametrize("run", ["chain/sgd", "chain/momentum", "convnet/adam"])
@@ -217,7 +210,7 @@ def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(horovod_jobs)
     and the other checkpoint kinds share the Saver's consolidation and restore (tested at
     2 ranks). (3 ranks, not 4: a quarter less of the job on a 2-core host.)"""
     run, ranks = AT_3_RANKS, 3
-    for whole in _job_records(horovod_jobs, "decoupled_graph_3_ranks"):
+    for whole in horovod_jobs.records("decoupled_graph_3_ranks"):
         plain, decoupled = whole["records"][run]["horovod"], whole["records"][run]["decoupled"]
         assert "error" not in decoupled and decoupled["decoupled"]["decoupled"] >= 2
         np.testing.assert_allclose(decoupled["losses"], plain["losses"], rtol=2e-6)

@@ -3,7 +3,6 @@ compression, a NumPy learning rate, a variable without gradient, a sparse gradie
 the deferred AllReduces kept out of the step's plan (tests/jobs/horovod_wrapper.py, in
 the suite's one job of 2 Gloo ranks: conftest's ``horovod_jobs``; plus checks of the
 refusals that need no job)."""
-import json
 import os
 import sys
 
@@ -22,9 +21,7 @@ HOROVOD_JOBS = {"horovod_wrapper": HorovodJob(
 @pytest.fixture(scope="module")
 def variants(horovod_jobs):
     """Each rank's record of each variant of the job."""
-    directory = horovod_jobs("horovod_wrapper")
-    return [json.loads((directory / f"rank-{rank}.json").read_text())["variants"]
-            for rank in range(2)]
+    return [record["variants"] for record in horovod_jobs.records("horovod_wrapper")]
 
 
 def test_cross_step_with_fp16_compression_defers_and_trains_like_horovod(variants):

@@ -3,7 +3,6 @@ DistributedGradientTape step in a loop inside one tf.function, and Keras model.f
 several steps per call, reduce-scattered, updated on each rank's shard and all-gathered
 under the next forward pass, against plain Horovod on real Gloo ranks
 (tests/jobs/tape_decoupled.py, tests/jobs/keras_decoupled.py)."""
-import json
 import os
 
 import numpy as np
@@ -49,16 +48,9 @@ HOROVOD_JOBS = {
 }
 
 
-def _job_records(horovod_jobs, name: str, prefix: str = "rank") -> list[dict]:
-    """Each rank's record of the job ``name`` (``prefix``-N.json)."""
-    directory = horovod_jobs(name)
-    return [json.loads((directory / f"{prefix}-{rank}.json").read_text())
-            for rank in range(HOROVOD_JOBS[name].ranks)]
-
-
 @pytest.fixture(scope="module")
 def records(horovod_jobs):
-    return _job_records(horovod_jobs, "decoupled_tape")
+    return horovod_jobs.records("decoupled_tape")
 
 
 def _decoupled(record) -> int:
@@ -215,7 +207,7 @@ def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(horovod_jobs)
     each rank holds a third of the optimizer state (plus padding), and the checkpoints and
     every continuation from them stay as close."""
     ranks = 3
-    for record in _job_records(horovod_jobs, "decoupled_tape_3_ranks"):
+    for record in horovod_jobs.records("decoupled_tape_3_ranks"):
         saved = record["checkpoints"][AT_3_RANKS]
         assert "error" not in saved, saved.get("error")
         plain, ours = saved["horovod"], saved["tfoverlap"]
@@ -242,7 +234,7 @@ def test_at_3_ranks_the_results_are_horovods_up_to_summation_order(horovod_jobs)
 
 @pytest.fixture(scope="module")
 def keras_records(horovod_jobs):
-    return _job_records(horovod_jobs, "decoupled_keras", prefix="keras-rank")
+    return horovod_jobs.records("decoupled_keras", "keras-rank-{rank}.json")
 
 
 @pytest.mark.parametrize("run", KERAS_RUNS)

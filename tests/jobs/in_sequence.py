@@ -12,14 +12,15 @@ Once every script has run (their records written), the process shuts Horovod dow
 exits at once, without the interpreter's teardown: in a 2-rank job that had trained some
 70 models that teardown took 15 s, against 2-3 s for either half of them alone.
 """
+import logging
 import os
 import runpy
 import sys
 
 
 def fresh_tfoverlap_state(handlers: list) -> None:
-    """What a script before may have left in tfoverlap: its options, its log handlers
-    (``handlers``: the logger's own), the messages said once."""
+    """Undoes what a script before may have left in tfoverlap: its options, its log
+    handlers (``handlers``: the logger's own), the messages said once."""
     if "tfoverlap.log" in sys.modules:
         log = sys.modules["tfoverlap.log"]
         log.logger.handlers[:] = handlers
@@ -48,7 +49,6 @@ def groups(argv: list[str]) -> list[tuple[dict, list[str]]]:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     environment = dict(os.environ)
-    import logging
     handlers = list(logging.getLogger("tfoverlap").handlers)
     for settings, script_argv in groups(sys.argv[1:]):
         fresh_tfoverlap_state(handlers)
