@@ -10,10 +10,31 @@ SLOW_FILES = {"test_cross_step.py", "test_decoupled.py", "test_tape_decoupled.py
               "test_horovod_wrapper.py", "test_contract_matrix.py"}
 
 
+#: Where the Horovod jobs of this session write how long each script took (JSON lines).
+_JOB_TIMES: list = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How long each script of the session's Horovod jobs took (their tests' durations
+    hide it: the jobs run while other tests do)."""
+    lines = [json.loads(line) for path in _JOB_TIMES if path.exists()
+             for line in path.read_text().splitlines()]
+    if lines:
+        terminalreporter.write_sep("=", "Horovod job scripts (rank 0, while other tests ran)")
+        for line in sorted(lines, key=lambda line: -line["seconds"]):
+            settings = " ".join(f"{name}={value}" for name, value in line["settings"].items()
+                                if not name.endswith("RECORDS") and "CHECKPOINTS" not in name)
+            terminalreporter.write_line(f"{line['seconds']:8.1f}s {line['script']} {settings}")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if os.path.basename(str(item.fspath)) in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+    # The modules whose records come from Horovod jobs run last, so that the other tests
+    # run while those jobs train (started at once: ``_start_horovod_jobs``).
+    items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "HOROVOD_JOBS",
+                                             None)))
 
 
 @pytest.fixture(scope="session")
@@ -52,40 +73,72 @@ class _Graphs(dict):
 def horovod_jobs(request, tmp_path_factory):
     """Runs the Horovod job scripts that the selected tests' modules declare (a
     module-level ``HOROVOD_JOBS = {name: helpers.HorovodJob}``; names are global): every
-    job of the same ranks and controller in one Horovod job, the first time one of them is
-    asked for. ``horovod_jobs(name)`` is the directory its records were written to;
-    ``horovod_jobs.records(name)`` each rank's JSON record in it."""
+    job of the same ranks and controller in one Horovod job. The jobs start with the
+    session's first test and train while the other tests run (their modules' tests run
+    last). ``horovod_jobs(name)`` waits for its job and is the directory its records
+    were written to; ``horovod_jobs.records(name)`` each rank's JSON record in it."""
     return _HorovodJobs(_declared(request, "HOROVOD_JOBS"), tmp_path_factory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_horovod_jobs(request):
+    """Starts the selected modules' Horovod jobs with the session (none: nothing)."""
+    if _declared(request, "HOROVOD_JOBS"):
+        request.getfixturevalue("horovod_jobs").start()
 
 
 class _HorovodJobs:
     def __init__(self, declared: dict, tmp_path_factory):
         self.declared, self.tmp_path_factory = declared, tmp_path_factory
-        self.directories, self.failures = {}, {}
+        self.directories, self.failures, self.finished = {}, {}, {}
+
+    def groups(self) -> dict:
+        """(ranks, controller) -> its job names; those that turn eager execution off
+        after those that need it (they share a process)."""
+        groups = {}
+        for name, job in sorted(self.declared.items(), key=lambda item: item[1].disables_eager):
+            groups.setdefault((job.ranks, job.controller), []).append(name)
+        return groups
+
+    def start(self) -> None:
+        """Starts every group's job at once, each waited for by a thread of its own: the
+        jobs start before any test can change the environment they inherit. Their
+        directories are made here: pytest does not make its temporary directories safely
+        from two threads at once."""
+        import threading
+        times = self.tmp_path_factory.getbasetemp() / "horovod_job_times.jsonl"
+        if times not in _JOB_TIMES:
+            _JOB_TIMES.append(times)
+        for group, members in self.groups().items():
+            if group in self.finished:
+                continue
+            self.finished[group] = threading.Event()
+            for member in members:
+                self.directories[member] = self.tmp_path_factory.mktemp(member)
+            threading.Thread(target=self._run, args=(group, members, times), daemon=True,
+                             name=f"horovod_jobs {group}").start()
+
+    def _run(self, group: tuple, members: list, times) -> None:
+        from helpers import run_jobs_in_sequence
+        ranks, controller = group
+        try:
+            run_jobs_in_sequence(
+                ranks, [(self.declared[member].script,
+                         self.declared[member].env(self.directories[member]))
+                        for member in members],
+                timeout=sum(self.declared[member].timeout for member in members),
+                controller=controller, times=times)
+        except BaseException as error:  # noqa: BLE001 - raised in the tests that need it
+            self.failures[group] = error
+        self.finished[group].set()
 
     def __call__(self, name: str):
-        from helpers import run_jobs_in_sequence
         job = self.declared[name]
         group = (job.ranks, job.controller)
-        if group in self.failures:      # the group's job failed once: not run again
+        self.start()
+        self.finished[group].wait()
+        if group in self.failures:
             raise self.failures[group]
-        if name not in self.directories:
-            # Scripts that turn eager execution off run after those that need it.
-            members = sorted((member for member, other in self.declared.items()
-                              if (other.ranks, other.controller) == group),
-                             key=lambda member: self.declared[member].disables_eager)
-            directories = {member: self.tmp_path_factory.mktemp(member) for member in members}
-            try:
-                run_jobs_in_sequence(
-                    job.ranks, [(self.declared[member].script,
-                                 self.declared[member].env(directories[member]))
-                                for member in members],
-                    timeout=sum(self.declared[member].timeout for member in members),
-                    controller=job.controller)
-            except BaseException as error:
-                self.failures[group] = error
-                raise
-            self.directories.update(directories)
         return self.directories[name]
 
     def records(self, name: str, file: str = "rank-{rank}.json") -> list:

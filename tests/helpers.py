@@ -171,10 +171,19 @@ class HorovodJob:
     disables_eager: bool = False
 
 
-def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gloo") -> None:
+#: Horovod's background loop negotiates once a cycle, over TCP under Gloo, busy or not: at
+#: its default 1 ms, a quarter of a 2-rank test job's CPU time on 2 cores (the contract
+#: matrix's job: 93 s and 174 CPU-seconds at 1 ms, 77 s and 134 at 10 ms, 91 s at 50 ms).
+#: The jobs check values, not speed, and Horovod's results do not depend on the cycle.
+HOROVOD_CYCLE_TIME_MS = "10"
+
+
+def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gloo",
+                         times=None) -> None:
     """Runs the ``(script, env)`` job scripts one after another in one Horovod job of
     ``ranks`` ranks (loopback, ``controller`` "gloo" or "mpi"; tests/jobs/in_sequence.py);
-    each script's records are where its ``env`` told it to write them."""
+    each script's records are where its ``env`` told it to write them, and how long each
+    took is appended to ``times`` (a path, as JSON lines) where given."""
     from tfoverlap.testbed.horovod_launch import run_horovod
     from tfoverlap.testbed.network import EmulatedNetwork
     argv = []
@@ -182,5 +191,7 @@ def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gl
         argv += [f"{name}={value}" for name, value in env.items()] + [script, ";"]
     with EmulatedNetwork(ranks, loopback=True) as network:
         result = run_horovod(network, ranks, [sys.executable, IN_SEQUENCE] + argv,
-                             controller=controller, timeout=timeout)
+                             controller=controller, timeout=timeout,
+                             env={"HOROVOD_CYCLE_TIME": HOROVOD_CYCLE_TIME_MS,
+                                  **({"IN_SEQUENCE_TIMES": str(times)} if times else {})})
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]

@@ -26,7 +26,8 @@ import tfoverlap.horovod.keras as tfo_keras
 from job_logging import Warnings  # noqa: E402 - this directory
 
 # A slow link and slow compute: the plan has a backward pass to overlap.
-OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=1e7, force=True)
+OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=1e7, force=True,
+               cycle_ms=1)  # planned for 1 ms: the job cycles at 10 (tests/helpers.py)
 #: keras_tf: a Keras optimizer given to horovod.tensorflow's DistributedOptimizer (which
 #: hands it to horovod.tensorflow.keras) and to tfoverlap.horovod's
 APIS = ("graph", "tape", "keras", "keras_tf")

@@ -28,7 +28,8 @@ PATTERNS = ("plain_loop", "validation", "rank0_validation", "batch_norm", "check
             "adam", "nesterov", "clip", "gradient_after", "accumulation", "make_callable",
             "monitored_session", "auto_declined", "end_of_input")
 # A slow link and slow compute: the plan's ring has a tail to defer.
-OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
+OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True,
+               cycle_ms=1)  # planned for 1 ms: the job cycles at 10 (tests/helpers.py)
 STEPS = 4
 SHAPES = [(64, 64)] * 5 + [(64, 10)]
 CHECKPOINTS = os.environ.get("CROSS_STEP_CHECKPOINTS") or tempfile.mkdtemp()

@@ -34,7 +34,8 @@ from tfoverlap.horovod.measure import measure_halves  # noqa: E402
 
 STEPS = int(os.environ.get("DECOUPLED_STEPS", "100"))
 # A slow link and slow compute: the plan has a backward pass to overlap.
-OPTIONS = dict(bandwidth="100Mbit", latency=50e-6, flops=2.5e8, force=True)
+OPTIONS = dict(bandwidth="100Mbit", latency=50e-6, flops=2.5e8, force=True,
+               cycle_ms=1)  # planned for 1 ms: the job cycles at 10 (tests/helpers.py)
 #: (model, optimizer) runs: each optimizer once (SGD, Momentum on a decayed rate, Adam),
 #: both models
 RUNS = (("chain", "sgd"), ("chain", "momentum"), ("convnet", "adam"))

@@ -31,7 +31,8 @@ VARIANTS = {
     "sparse": (lambda: tf.compat.v1.train.GradientDescentOptimizer(0.05), "none", "sparse"),
 }
 # A slow link and slow compute: the plan's ring has a tail to defer.
-OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True)
+OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True,
+               cycle_ms=1)  # planned for 1 ms: the job cycles at 10 (tests/helpers.py)
 STEPS = 3
 SHAPES = [(128, 128)] * 5 + [(128, 10)]
 

@@ -32,7 +32,8 @@ PATTERNS = ("validation/sgd", "schedule", "checkpoint/adamw", "input_runs_out/ad
             "embedding/legacy_momentum", "embedding_dense/legacy_adam",
             "one_step_per_call", "clipnorm", "auto")
 # A slow link and slow compute: the plan's ring has a tail to defer.
-OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=1e7, force=True)
+OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=1e7, force=True,
+               cycle_ms=1)  # planned for 1 ms: the job cycles at 10 (tests/helpers.py)
 WIDTHS = [64, 64, 64, 10]
 BATCH, STEPS = 32, 10
 CHECKPOINTS = os.environ.get("CROSS_STEP_CHECKPOINTS") or tempfile.mkdtemp()

@@ -30,7 +30,8 @@ from tfoverlap.horovod.in_call.checkpoints import shard_state_bytes, whole_slots
 from job_logging import Warnings  # noqa: E402 - this directory
 
 # A slow link and slow compute: the plan has a backward pass to overlap.
-OPTIONS = dict(bandwidth="100Mbit", latency=50e-6, flops=2.5e8, force=True)
+OPTIONS = dict(bandwidth="100Mbit", latency=50e-6, flops=2.5e8, force=True,
+               cycle_ms=1)  # planned for 1 ms: the job cycles at 10 (tests/helpers.py)
 TOTAL = int(os.environ.get("TAPE_DECOUPLED_STEPS", "100"))
 CALLS = 4
 STEPS = TOTAL // CALLS
