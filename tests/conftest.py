@@ -5,11 +5,6 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-#: Files whose tests run multi-rank Horovod jobs: all their tests are in the slow tier.
-SLOW_FILES = {"test_cross_step.py", "test_decoupled.py", "test_tape_decoupled.py",
-              "test_horovod_wrapper.py", "test_contract_matrix.py"}
-
-
 #: Where the Horovod jobs of this session write how long each script took (JSON lines).
 _JOB_TIMES: list = []
 
@@ -28,13 +23,17 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(config, items):
+    """The modules that declare Horovod jobs (``HOROVOD_JOBS``) are in the slow tier, all
+    their tests, and run last: the other tests run while those jobs train (they start
+    with the session: ``_start_horovod_jobs``)."""
     for item in items:
-        if os.path.basename(str(item.fspath)) in SLOW_FILES:
+        if _declares_jobs(item):
             item.add_marker(pytest.mark.slow)
-    # The modules whose records come from Horovod jobs run last, so that the other tests
-    # run while those jobs train (started at once: ``_start_horovod_jobs``).
-    items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "HOROVOD_JOBS",
-                                             None)))
+    items.sort(key=_declares_jobs)
+
+
+def _declares_jobs(item) -> bool:
+    return bool(getattr(getattr(item, "module", None), "HOROVOD_JOBS", None))
 
 
 @pytest.fixture(scope="session")
