@@ -88,3 +88,27 @@ def test_a_patch_is_made_once_and_remembers_what_it_replaced():
     patch(owner, "run", counting)           # a second install: nothing more
     assert owner.run() == "ours+plain"
     assert getattr(owner.run, MARKER) is plain and unpatched(owner.run) is plain
+
+
+def test_a_deferrals_buffers_and_flag_go_with_its_variables():
+    """One buffer per variable and one pending flag per deferred set, however often a step
+    is traced; a process that builds models in turn (a sweep, a test suite) keeps none of
+    the old ones alive through them."""
+    import gc
+    import weakref
+
+    import tensorflow as tf
+    from tfoverlap.horovod.in_call import pending
+    before = len(pending._buffers), len(pending._pending)  # noqa: SLF001
+    variables = [tf.Variable(tf.ones([4, 3])), tf.Variable(tf.ones([3]))]
+    traced, again = (pending.Deferral(decision={}, chunks=[[0, 1]], variables=variables)
+                     for _ in range(2))
+    pending.make_buffers(traced)
+    pending.make_buffers(again)
+    assert traced.buffers[0] is again.buffers[0] and traced.pending is again.pending
+    assert traced.buffers[0].shape == (4, 3) and traced.buffers[1].shape == (3,)
+    buffer, variable = weakref.ref(traced.buffers[0]), weakref.ref(variables[0])
+    del variables, traced, again
+    gc.collect()
+    assert variable() is None and buffer() is None
+    assert (len(pending._buffers), len(pending._pending)) == before  # noqa: SLF001

@@ -13,14 +13,15 @@ from tfoverlap.horovod.core.decisions import planned, record
 from tfoverlap.horovod.core.patching import patch
 from tfoverlap.horovod.in_call.loops import (INPUT_OPS, READ_OPS, Loop, handle_in, install,
                                              loop_of, staging, unordered_reads)
-from tfoverlap.horovod.in_call.pending import Deferral, build_slots, optimizer_refused
+from tfoverlap.horovod.in_call.pending import (Deferral, PerVariables, build_slots,
+                                               optimizer_refused)
 from tfoverlap.log import info_once, warn_once
 
 __all__ = ["attach", "install"]
 
 _by_gradient: dict = {}                      # reduced gradient (ref) -> its _TapeDeferral
-_plans: dict = {}                            # the variables' refs -> (chunks, decision)
-_decouplings: dict = {}                      # the variables' refs -> decouple's first plan
+_plans = PerVariables()                      # the variables -> (chunks, decision)
+_decouplings = PerVariables()                # the variables -> decouple's first plan
 
 
 @dataclasses.dataclass
@@ -32,8 +33,12 @@ class _TapeDeferral(Deferral):
     gradients: list = dataclasses.field(default_factory=list)   # unreduced, by index
     reduced: list = dataclasses.field(default_factory=list)     # what the tape returned
     traced: int = 0                 # the body's ops up to the last of the deferral's own
-    key: tuple = ()                 # its variables' refs, as _plans keys them
     decoupling: tuple = ()          # decouple's plan: (buckets, all-gather requests)
+
+    @property
+    def key(self) -> tuple:
+        """Its variables, as its decision is recorded (by id: not kept alive by it)."""
+        return tuple(id(variable) for variable in self.variables)
 
     @property
     def option(self) -> str:      # the option its lines speak for
@@ -83,13 +88,12 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     level = logging.WARNING if mode is True else logging.INFO
     graph = tf.compat.v1.get_default_graph()
     loop = loop_of(graph)
-    key = tuple(variable.ref() for variable in variables)
     if loop is None:
         if isinstance(graph, WhileBodyFuncGraph):
             # A loop whose trace began before the hooks were installed has no drain; the
             # later traces of it must decide as this one.
-            _plans.setdefault(key, ([], {"reason": "the loop was traced before "
-                                                   "tfoverlap.horovod was imported"}))
+            _plans.get(variables, lambda: ([], {"reason": "the loop was traced before "
+                                                          "tfoverlap.horovod was imported"}))
         elif not staging(graph):
             option = "decouple" if wrapper_option("decouple", False) else "cross_step"
             _say(level, f"DistributedGradientTape: nothing {option}d: one step per call of "
@@ -98,7 +102,8 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
                         "loop of steps inside one tf.function (for _ in tf.range(n)) "
                         "overlaps them with the next step of the call", option)
         return plain(grads, variables, use_generic_names)
-    if key in _plans and not _plans[key][0]:      # decided on the first trace: nothing
+    decided = _plans.find(variables)
+    if decided is not None and not decided[0]:      # decided on the first trace: nothing
         return plain(grads, variables, use_generic_names)
     reduced = reduce_without_cond(grads, reduction)
     dense = reduction.get("sparse_as_dense")      # unreduced, as Horovod's reduction takes them
@@ -107,21 +112,21 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
     deferral = _TapeDeferral(decision=dict(planned("cross_step", mode), api="tape"),
                              variables=list(variables), body=graph, loop=loop, level=level,
                              gradients=gradients, reduced=list(reduced),
-                             reduction=dict(reduction), key=key)
+                             reduction=dict(reduction))
     own = {reducing_allreduce(tensor).name: i
            for i, (tensor, gradient) in enumerate(zip(reduced, gradients))
            if isinstance(tensor, tf.Tensor) and isinstance(gradient, tf.Tensor)}
     if _decouples(deferral, graph, own) or not mode:
         return reduced
-    if key not in _plans:
+    def first_plan():
         # The first trace decides for the process: a function traced again (TensorFlow
         # traces twice where a first trace made variables) must make the same steps on
         # every rank, and may not make buffers.
         refused = deferral_refused_by_reduction(reduction)
-        _plans[key] = (([], planned("cross_step", mode, refused)) if refused else
-                       plan_deferral(graph.as_graph_def(add_shapes=True), own, mode,
-                                     variables=variable_ops(graph, own, list(variables))))
-    chunks, decision = _plans[key]
+        return (([], planned("cross_step", mode, refused)) if refused else
+                plan_deferral(graph.as_graph_def(add_shapes=True), own, mode,
+                              variables=variable_ops(graph, own, list(variables))))
+    chunks, decision = _plans.get(variables, first_plan)
     deferral.decision.update(decision, api="tape")
     if not deferral.keep(chunks, len(own)):
         _record(deferral)
@@ -142,10 +147,8 @@ def _decouples(deferral: _TapeDeferral, graph, own: dict) -> bool:
     if not mode:
         return False
     level = logging.WARNING if mode is True else logging.INFO
-    if deferral.key not in _decouplings:
-        _decouplings[deferral.key] = plan(graph, own, len(deferral.gradients),
-                                          deferral.reduction, mode)
-    buckets, gathers, decision = _decouplings[deferral.key]
+    buckets, gathers, decision = _decouplings.get(deferral.variables, lambda: plan(
+        graph, own, len(deferral.gradients), deferral.reduction, mode))
     if not buckets:
         _record(dataclasses.replace(deferral, decision=dict(decision, api="tape")))
         _say(level, f"nothing decoupled: {decision.get('reason')}", "decouple")

@@ -5,15 +5,46 @@ calls nothing is pending (docs/architecture.md, "Keras fit")."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from tfoverlap.horovod.core.contract import reduce_without_cond
 from tfoverlap.log import logger
 
-__all__ = ["Deferral", "apply_pending", "chained_where_pending",
+__all__ = ["Deferral", "PerVariables", "apply_pending", "chained_where_pending",
            "build_slots", "make_buffers", "optimizer_refused", "program_class"]
 
-_buffers: dict = {}         # variable ref -> its buffer (one per variable, however traced)
-_pending: dict = {}         # tuple of the deferred variables' refs -> their pending flag
+
+class PerVariables:
+    """What tfoverlap keeps per set of variables, for as long as they live: an entry goes
+    with the first of its variables to go (a process that builds and drops models in turn,
+    a sweep or a test suite, would otherwise keep every model and its buffers)."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def get(self, variables, make):
+        """The entry of ``variables`` (in order), made by ``make()`` the first time."""
+        variables = list(variables)
+        key = tuple(id(variable) for variable in variables)
+        if key not in self._entries:
+            self._entries[key] = make()
+            for variable in variables:
+                try:
+                    weakref.finalize(variable, self._entries.pop, key, None)
+                except TypeError:   # a variable type without weak references: kept
+                    pass
+        return self._entries[key]
+
+    def find(self, variables):
+        """The entry of ``variables``, or None."""
+        return self._entries.get(tuple(id(variable) for variable in variables))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_buffers = PerVariables()   # a variable -> its buffer (one per variable, however traced)
+_pending = PerVariables()   # the deferred variables -> their pending flag
 
 
 @dataclasses.dataclass
@@ -103,15 +134,12 @@ def make_buffers(deferral: Deferral) -> None:
     with tf.init_scope():
         for index in sorted(deferral.deferred):
             variable = deferral.variables[index]
-            if variable.ref() not in _buffers:
-                _buffers[variable.ref()] = tf.Variable(
-                    tf.zeros(variable.shape, variable.dtype), trainable=False,
-                    name=f"tfoverlap_deferred_{index}")
-            deferral.buffers[index] = _buffers[variable.ref()]
-        key = tuple(deferral.variables[i].ref() for i in sorted(deferral.deferred))
-        if key not in _pending:
-            _pending[key] = tf.Variable(False, trainable=False, name="tfoverlap_pending")
-        deferral.pending = _pending[key]
+            deferral.buffers[index] = _buffers.get([variable], lambda: tf.Variable(
+                tf.zeros(variable.shape, variable.dtype), trainable=False,
+                name=f"tfoverlap_deferred_{index}"))
+        deferral.pending = _pending.get(
+            [deferral.variables[i] for i in sorted(deferral.deferred)],
+            lambda: tf.Variable(False, trainable=False, name="tfoverlap_pending"))
 
 
 def chained_where_pending(pending, chunks, collect, nothing) -> list[list]:
