@@ -112,3 +112,11 @@ def test_a_deferrals_buffers_and_flag_go_with_its_variables():
     gc.collect()
     assert variable() is None and buffer() is None
     assert (len(pending._buffers), len(pending._pending)) == before  # noqa: SLF001
+
+
+def test_an_entry_whose_variable_takes_no_weak_reference_stays_with_it():
+    from tfoverlap.horovod.in_call.pending import PerVariables
+    table, plain = PerVariables(), object()      # object() takes no weak reference
+    assert table.get([plain], lambda: "made") == "made"
+    assert table.get([plain], lambda: "again") == "made" == table.find([plain])
+    assert table.find([object()]) is None and len(table) == 1

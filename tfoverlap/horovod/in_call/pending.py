@@ -21,6 +21,7 @@ class PerVariables:
 
     def __init__(self):
         self._entries: dict = {}
+        self._kept: list = []       # variables without weak references: kept, ids unique
 
     def get(self, variables, make):
         """The entry of ``variables`` (in order), made by ``make()`` the first time."""
@@ -31,8 +32,8 @@ class PerVariables:
             for variable in variables:
                 try:
                     weakref.finalize(variable, self._entries.pop, key, None)
-                except TypeError:   # a variable type without weak references: kept
-                    pass
+                except TypeError:   # no weak references: kept alive, so its id stays its
+                    self._kept.append(variable)
         return self._entries[key]
 
     def find(self, variables):
