@@ -139,16 +139,20 @@ def test_a_second_run_is_refused_while_one_is_active():
 
 
 # The holder restores Python's Ctrl-C handler: a test run started in the background by a
-# non-interactive shell inherits SIGINT as ignored.
+# non-interactive shell inherits SIGINT as ignored. It sleeps in short naps: a signal the
+# kernel hands to another of its threads does not cut the main thread's sleep short, and
+# Python runs the handler only when that sleep ends (in a full run the holder dumped
+# its stack in time.sleep(1000) 30 s after SIGINT, then raised KeyboardInterrupt).
 _HOLDER = """
 import faulthandler, signal, subprocess, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-faulthandler.register(signal.SIGUSR1)   # where it hangs, if it does (once in a full run)
+faulthandler.register(signal.SIGUSR1)   # where it hangs, if it does
 from tfoverlap.testbed.network import EmulatedNetwork
 with EmulatedNetwork(2, bandwidth=12.5e6) as network:
     child = network.spawn(1, ["sleep", "1000"])
     print(child.pid, flush=True)
-    time.sleep(1000)
+    while True:
+        time.sleep(0.1)
 """
 
 
