@@ -14,8 +14,11 @@ marker comments. It imports neither TensorFlow nor tfoverlap.
 
 How rows become lines:
 
-- A *configuration* is a row's model, mode, workers, PS tasks, layout (a PS row without
-  one ran on dedicated PS hosts), link, API and steps per call. A table has one line per
+- Every row names what it needs to be read: model, mode, workers, link, variant, API
+  (``graph`` or ``session``: TF1), whether it was emulated, the dilation, the command and
+  the date; a PS row its PS tasks and layout too. The script refuses a row without them.
+- A *configuration* is a row's model, mode, workers, PS tasks, layout, link, API and steps
+  per call. A table has one line per
   configuration and tfoverlap variant (TicTac's ``tic``, ``tac``, ...; Caramel's
   ``caramel``, ``caramel_cross_step``, ...); the baselines (``default``, ``horovod``) and
   the comparison runs (``compute_only``, ``comm_only``) have none of their own.
@@ -103,8 +106,13 @@ MODELS = {"resnet50": "ResNet-50", "inception_v3": "Inception-v3", "vgg16": "VGG
           "transformer": "transformer", "seq32": "seq-32", "par32": "par-32",
           "resnet20": "ResNet-20", "mobilenet_v2": "MobileNetV2"}
 MODEL_ORDER = tuple(MODELS)
-APIS = {None: "TF1", "ps_strategy": "TF2 PS strategy", "keras": "Keras fit",
-        "tape": "TF2 tape loop"}
+APIS = {"graph": "TF1", "session": "TF1", "ps_strategy": "TF2 PS strategy",
+        "keras": "Keras fit", "tape": "TF2 tape loop"}
+API_ORDER = tuple(APIS)
+#: what every row must say to be read (tfoverlap.bench.report.reading_context writes them)
+READING_FIELDS = ("model", "mode", "workers", "link", "variant", "api", "emulated",
+                  "dilation", "command", "date")
+PS_READING_FIELDS = READING_FIELDS + ("ps", "layout")
 
 PS_DOES = {"tic": "ordered (TIC)", "tac": "ordered (TAC, from a profile)",
            "tic_forced": "ordered (TIC, forced)",
@@ -116,13 +124,27 @@ PS_DOES = {"tic": "ordered (TIC)", "tac": "ordered (TAC, from a profile)",
 
 def load(results: str = RESULTS) -> dict:
     """{file name: [row, ...]} of every docs/results/*.json; each row gains ``_index``
-    (its position in the file)."""
+    (its position in the file). A file that is not a list of rows, or a row that lacks
+    what it needs to be read (READING_FIELDS; for a PS system's, its PS tasks and layout
+    too), is a ValueError naming the file, the row and the fields."""
+    ps_files = {system.file for system in SYSTEMS if system.ps}
     files = {}
     for path in sorted(glob.glob(os.path.join(results, "*.json"))):
+        name = os.path.basename(path)
         with open(path) as stream:
-            rows = json.load(stream)
-        files[os.path.basename(path)] = [{**row, "_index": index}
-                                         for index, row in enumerate(rows)]
+            try:
+                rows = json.load(stream)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{name} is not JSON: {error}") from None
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise ValueError(f"{name} is not a list of rows (JSON objects)")
+        needed = PS_READING_FIELDS if name in ps_files else READING_FIELDS
+        for index, row in enumerate(rows):
+            missing = [field for field in needed if row.get(field) is None]
+            if missing:
+                raise ValueError(f"{name}, row {index} ({row.get('model')}, "
+                                 f"{row.get('variant')}): lacks {', '.join(missing)}")
+        files[name] = [{**row, "_index": index} for index, row in enumerate(rows)]
     return files
 
 
@@ -134,9 +156,8 @@ def variant_of(row: dict) -> str:
 
 def configuration(row: dict) -> tuple:
     """What makes a row another configuration (the variant aside)."""
-    layout = row.get("layout") or ("dedicated" if row.get("ps") else None)
-    return (row["model"], row["mode"], row["workers"], row.get("ps"), layout, row["link"],
-            row.get("api"), row.get("steps_per_execution"))
+    return (row["model"], row["mode"], row["workers"], row.get("ps"), row.get("layout"),
+            row["link"], row["api"], row.get("steps_per_execution"))
 
 
 def run_of(row: dict) -> tuple:
@@ -153,7 +174,8 @@ def _sort_key(system: System, config: tuple, variant: str) -> tuple:
     variant_rank = (system.variants.index(variant) if variant in system.variants
                     else len(system.variants))
     return (model_rank, model, mode != "training", workers, ps or 0, layout or "",
-            _link_rate(link), str(api or ""), steps or 0, variant_rank, variant)
+            _link_rate(link), API_ORDER.index(api) if api in API_ORDER else len(API_ORDER),
+            api, steps or 0, variant_rank, variant)
 
 
 def _link_rate(link: str) -> float:
@@ -198,7 +220,7 @@ def model_text(row: dict, system: System) -> str:
 
 
 def api_text(row: dict) -> str:
-    text = APIS.get(row.get("api"), str(row.get("api")))
+    text = APIS.get(row["api"], row["api"])
     if row.get("steps_per_execution"):
         text += f", {row['steps_per_execution']} steps a call"
     return text
@@ -207,8 +229,7 @@ def api_text(row: dict) -> str:
 def cluster_text(row: dict, system: System) -> str:
     if not system.ps:
         return f"{row['workers']} ranks"
-    layout = row.get("layout") or "dedicated"
-    if layout == "colocated":
+    if row["layout"] == "colocated":
         return f"{row['workers']} hosts, a PS task on each"
     ps = row.get("ps", 1)
     return f"{row['workers']} workers, {ps} PS task{'s' if ps != 1 else ''}"
@@ -544,7 +565,11 @@ def main(argv=None) -> int:
     parser.add_argument("--doc", default=DOC)
     parser.add_argument("--results", default=RESULTS)
     args = parser.parse_args(argv)
-    blocks = generated(load(args.results))
+    try:
+        blocks = generated(load(args.results))
+    except ValueError as error:
+        print(f"results_page: {error}", file=sys.stderr)
+        return 2
     if args.print:
         for block in blocks.values():
             print(block)

@@ -391,12 +391,17 @@ def test_keras_rows_merge_apart_from_graph_mode_rows(tmp_path):
                 "variant": "caramel", "median_s": median, "speedup": 1.0, "ci_low": 0.9,
                 "ci_high": 1.1, **extra}
     path = str(tmp_path / "horovod.json")
-    report.write_result_rows([row(1.0)], path)
+    report.write_result_rows([row(1.0)], path)      # written before rows named their API
     report.write_result_rows([row(2.0, api="keras", steps_per_execution=4, drain_ms=3.0)],
                              path, merge=True, command="keras")
     rows = json.loads(open(path).read())
-    assert [(r.get("api"), r["iteration_s"]) for r in rows] == [(None, 1.0), ("keras", 2.0)]
+    assert [(r["api"], r["iteration_s"]) for r in rows] == [("graph", 1.0), ("keras", 2.0)]
     assert rows[1]["steps_per_execution"] == 4 and rows[1]["drain_ms"] == 3.0
+    assert [(r["emulated"], r["dilation"]) for r in rows] == [("", 1.0), ("", 1.0)]
+    # A graph-mode row of the same configuration replaces the one without its API.
+    report.write_result_rows([row(3.0, api="graph")], path, merge=True, command="graph")
+    rows = json.loads(open(path).read())
+    assert [(r["api"], r["iteration_s"]) for r in rows] == [("keras", 2.0), ("graph", 3.0)]
 
 
 def test_result_rows_merge_into_the_docs_file(tmp_path):
@@ -413,7 +418,8 @@ def test_result_rows_merge_into_the_docs_file(tmp_path):
     assert [(r["variant"], r["link"], r["iteration_s"], r["command"]) for r in rows] == [
         ("default", "loopback", 1.0, "first"), ("tic", "loopback", 3.0, "second"),
         ("tic", "1Gbit", 4.0, "second")]
-    assert set(rows[0]) == set(report.RESULT_FIELDS) | {"batch", "command", "date"}
+    assert set(rows[0]) == set(report.RESULT_FIELDS) | {"batch", "command", "date", "api",
+                                                        "emulated", "dilation"}
     # Two PS tasks are another configuration than one, at the same link.
     two_ps = {**row("tic", "1Gbit", 5.0), "ps": 2}
     report.write_result_rows([two_ps], path, merge=True, command="third")

@@ -51,11 +51,38 @@ def test_a_changed_row_or_an_edited_table_makes_the_check_fail(page, tmp_path):
     assert not page.check(str(doc), str(results))
 
 
+def test_a_row_that_cannot_be_read_is_refused_with_its_file_row_and_fields(page, tmp_path,
+                                                                          capsys):
+    """Every row names its API, emulation, dilation, command and date (a PS row its PS
+    tasks and layout too): the page refuses one without them in one line that says which
+    row lacks what, and the same for a file that is not a list of rows."""
+    results = tmp_path / "results"
+    shutil.copytree(page.RESULTS, results)
+    doc = str(tmp_path / "benchmarks.md")
+    shutil.copy(page.DOC, doc)
+    for name, field in (("horovod-emulated.json", "api"), ("ps.json", "layout")):
+        path = results / name
+        original = path.read_text()
+        rows = json.loads(original)
+        del rows[3][field]
+        path.write_text(json.dumps(rows))
+        assert page.main(["--check", "--doc", doc, "--results", str(results)]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith(f"results_page: {name}, row 3 (") and error.endswith(
+            f"lacks {field}\n"), error
+        path.write_text(original)
+    (results / "ps.json").write_text('{"model": "m"}')
+    assert page.main(["--doc", doc, "--results", str(results)]) == 2
+    assert capsys.readouterr().err == "results_page: ps.json is not a list of rows (JSON objects)\n"
+    assert page.check(page.DOC, page.RESULTS)     # the repository's rows all can be read
+
+
 def _row(variant, speedup, low, high, date, command="run", **fields):
     return {"model": "resnet50", "mode": "training", "workers": 8, "link": "25Gbit",
             "variant": variant, "iteration_s": 0.1, "speedup": speedup, "ci_low": low,
             "ci_high": high, "batch": 64, "ps": 1, "comm_over_comp": 1.0,
-            "declined": False, "command": command, "date": date, **fields}
+            "declined": False, "command": command, "date": date, "api": "session",
+            "layout": "dedicated", "emulated": "v100", "dilation": 32.0, **fields}
 
 
 def _lines(page, rows, system):
@@ -100,6 +127,7 @@ def test_bold_only_where_the_pass_acted_and_the_interval_excludes_one(page):
         _row("horovod", 1.0, 0.98, 1.02, "2026-01-01", workers=8),
         _row("caramel", 1.05, 1.02, 1.08, "2026-01-01", workers=8, declined=True),
     ]
+    rows = [{**row, "api": "graph"} for row in rows]
     lines = {line.split(" | ")[5].strip("`"): line
              for line in _lines(page, rows, horovod) if "| 4 ranks |" in line}
     assert "**1.12x** (1.10-1.15)" in lines["caramel"]

@@ -346,8 +346,9 @@ def summarize(result: dict) -> list[dict]:
             "declined": bool(caramel.get("declined")),
             "predicted_gain": caramel.get("predicted_gain", ""),
         })
+        rows[-1]["api"] = result.get("api") or "graph"
         if result.get("api") in ("keras", "tape"):
-            rows[-1].update(api=result["api"], steps_per_execution=result["steps_per_execution"])
+            rows[-1]["steps_per_execution"] = result["steps_per_execution"]
         rounds = _round_ratios(times["horovod"], times[name], result.get("steps_per_block"))
         if rounds:
             rows[-1].update(round_low=min(rounds), round_high=max(rounds))

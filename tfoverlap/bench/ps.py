@@ -339,7 +339,8 @@ def choose_dilation(workers, network, config: Configuration, dilation: float,
 def timing_row(result: dict, name: str, rounds: int) -> dict:
     """Variant ``name``'s row of a run's result: its configuration, its step times (in
     emulated time where emulated) against the default's, by round too, comm/comp, E and
-    what the pass did; the part of a row that the TF1 and the TF2 jobs share."""
+    what the pass did; the part of a row that the TF1 and the TF2 jobs share (its api,
+    "session", is the TF1 job's: the TF2 job names its own)."""
     from tfoverlap.bench import metrics
     from tfoverlap.bench.report import short_reason
     config = result["config"]
@@ -355,7 +356,7 @@ def timing_row(result: dict, name: str, rounds: int) -> dict:
     return {
         "model": config["model"], "mode": "training" if config["training"] else "inference",
         "batch": config["batch"], "link": link_name(config["bandwidth"]),
-        "ps": config["num_ps"], "layout": config["layout"],
+        "ps": config["num_ps"], "layout": config["layout"], "api": "session",
         "workers": config["num_workers"], "variant": name,
         "median_s": iteration.median, "p10_s": iteration.p10, "p90_s": iteration.p90,
         "steps": iteration.count,

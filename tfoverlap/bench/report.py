@@ -42,30 +42,42 @@ RESULT_EXTRA = ("batch", "ps", "layout", "comm_over_comp", "comm_s", "comp_s",
                 "reduce_scatter_buckets", "gather_requests", "api", "steps_per_execution",
                 "drain_ms", "order_concordance", "later_s", "later_speedup", "pass_link",
                 "command", "date")
-#: PS rows: per PS count; Keras rows (api "keras") and TF2 PS rows (api "ps_strategy")
-#: apart from graph-mode ones (no api), and per steps_per_execution
-_ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps", "api",
+#: PS rows: per PS count and layout; per API ("graph" and "keras" or "tape" for Horovod,
+#: "session" and "ps_strategy" for parameter servers) and per steps_per_execution
+_ROW_KEY = ("model", "mode", "workers", "link", "variant", "ps", "layout", "api",
             "steps_per_execution")
 
 
+def reading_context(row: dict) -> dict:
+    """``row`` with what it needs to be read filled in where it was written without it:
+    the API (rows from before the field: TF1 graphs, "graph" under Horovod and "session"
+    beside parameter servers), a PS row's layout ("dedicated", the only one there was),
+    and whether it was emulated (no: "") at which dilation (1.0)."""
+    ps = bool(row.get("ps"))
+    defaults = {"api": "session" if ps else "graph", "emulated": "", "dilation": 1.0,
+                **({"layout": "dedicated"} if ps else {})}
+    return {**row, **{key: value for key, value in defaults.items()
+                      if row.get(key) is None}}
+
+
 def _row_key(row: dict) -> tuple:
-    """What makes a row another configuration: _ROW_KEY and, for PS rows, the layout (the
-    rows written before there was a choice ran dedicated)."""
-    layout = row.get("layout") or ("dedicated" if row.get("ps") else None)
-    return tuple(row.get(key) for key in _ROW_KEY) + (layout,)
+    """What makes a row another configuration: _ROW_KEY, read in its context."""
+    row = reading_context(row)
+    return tuple(row.get(key) for key in _ROW_KEY)
 
 
 def write_result_rows(rows: list[dict], path: str, merge: bool = False,
                       command: str = "") -> None:
     """The machine-readable rows (docs/results/*.json): RESULT_FIELDS, then those of
     RESULT_EXTRA a row has; one JSON object per row, in a list. With ``merge``, rows
-    already in the file stay unless a new row has the same model, mode, workers, link,
-    variant, PS count and layout; ``command`` (what reproduces the rows) and today's date go
+    already in the file stay unless a new row has the same configuration (``_ROW_KEY``);
+    every row is written in its reading context (:func:`reading_context`); ``command`` (what reproduces the rows) and today's date go
     into each row."""
     records = []
     for row in rows:
-        row = {**row, **({"command": command, "date": time.strftime("%Y-%m-%d")}
-                         if command else {})}
+        row = reading_context({**row, **({"command": command,
+                                          "date": time.strftime("%Y-%m-%d")}
+                                         if command else {})})
         record = {key: row["median_s"] if key == "iteration_s" else row[key]
                   for key in RESULT_FIELDS}
         record.update({key: row[key] for key in RESULT_EXTRA if key in row})
@@ -77,7 +89,7 @@ def write_result_rows(rows: list[dict], path: str, merge: bool = False,
         with open(path) as stream:
             kept = json.load(stream)
         new_keys = {_row_key(r) for r in records}
-        records = [r for r in kept if _row_key(r) not in new_keys] + records
+        records = [reading_context(r) for r in kept if _row_key(r) not in new_keys] + records
     with open(path, "w") as stream:
         json.dump(records, stream, indent=1)
         stream.write("\n")
