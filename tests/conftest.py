@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 
 import pytest
 
@@ -81,15 +82,23 @@ def horovod_jobs(request, tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _start_horovod_jobs(request):
-    """Starts the selected modules' Horovod jobs with the session (none: nothing)."""
-    if _declared(request, "HOROVOD_JOBS"):
-        request.getfixturevalue("horovod_jobs").start()
+    """Starts the selected modules' Horovod jobs with the session (none: nothing), and
+    kills those still running when it ends (stopped early: -x, Ctrl-C, a deselected
+    module), instead of leaving their ranks to train on, orphaned."""
+    if not _declared(request, "HOROVOD_JOBS"):
+        yield
+        return
+    jobs = request.getfixturevalue("horovod_jobs")
+    jobs.start()
+    yield
+    jobs.stop()
 
 
 class _HorovodJobs:
     def __init__(self, declared: dict, tmp_path_factory):
         self.declared, self.tmp_path_factory = declared, tmp_path_factory
         self.directories, self.failures, self.finished = {}, {}, {}
+        self.networks: list = []      # the running jobs' networks
 
     def groups(self) -> dict:
         """(ranks, controller) -> its job names; those that turn eager execution off
@@ -126,10 +135,19 @@ class _HorovodJobs:
                          self.declared[member].env(self.directories[member]))
                         for member in members],
                 timeout=sum(self.declared[member].timeout for member in members),
-                controller=controller, times=times)
+                controller=controller, times=times, networks=self.networks)
         except BaseException as error:  # noqa: BLE001 - raised in the tests that need it
             self.failures[group] = error
         self.finished[group].set()
+
+    def stop(self) -> None:
+        """Kills the jobs that still run (their networks' processes)."""
+        for group, finished in self.finished.items():
+            if not finished.is_set():
+                print(f"\nhorovod_jobs: stopping the unfinished job of {group}",
+                      file=sys.stderr)
+        for network in list(self.networks):
+            network.close()
 
     def __call__(self, name: str):
         job = self.declared[name]

@@ -179,17 +179,21 @@ HOROVOD_CYCLE_TIME_MS = "10"
 
 
 def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gloo",
-                         times=None) -> None:
+                         times=None, networks: list | None = None) -> None:
     """Runs the ``(script, env)`` job scripts one after another in one Horovod job of
     ``ranks`` ranks (loopback, ``controller`` "gloo" or "mpi"; tests/jobs/in_sequence.py);
     each script's records are where its ``env`` told it to write them, and how long each
-    took is appended to ``times`` (a path, as JSON lines) where given."""
+    took is appended to ``times`` (a path, as JSON lines) where given. The job's network
+    is appended to ``networks`` where given: closing it from another thread kills the
+    job, which then fails."""
     from tfoverlap.testbed.horovod_launch import run_horovod
     from tfoverlap.testbed.network import EmulatedNetwork
     argv = []
     for script, env in jobs:
         argv += [f"{name}={value}" for name, value in env.items()] + [script, ";"]
     with EmulatedNetwork(ranks, loopback=True) as network:
+        if networks is not None:
+            networks.append(network)
         result = run_horovod(network, ranks, [sys.executable, IN_SEQUENCE] + argv,
                              controller=controller, timeout=timeout,
                              env={"HOROVOD_CYCLE_TIME": HOROVOD_CYCLE_TIME_MS,

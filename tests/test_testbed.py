@@ -251,6 +251,49 @@ def test_a_rank_that_dies_ends_the_job_instead_of_leaving_the_others_waiting(mon
     assert leftovers() == []
 
 
+_RUNS_ON = """
+import os, time
+with open(os.path.join(os.environ["PIDS"], os.environ["HOROVOD_RANK"]), "w") as pid:
+    pid.write(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_test_job_whose_network_is_closed_ends_with_no_rank_left(tmp_path):
+    """What the test session does with a Horovod job still running when it ends early
+    (-x, Ctrl-C): it closes the job's network from its own thread, which kills the ranks
+    (horovodrun's too); the job fails instead of training on, orphaned."""
+    import threading
+    from tests.helpers import run_jobs_in_sequence
+    script, pids = tmp_path / "runs_on.py", tmp_path / "pids"
+    script.write_text(_RUNS_ON)
+    pids.mkdir()
+    networks, errors = [], []
+
+    def job():
+        try:
+            run_jobs_in_sequence(2, [(str(script), {"PIDS": str(pids)})], timeout=300,
+                                 networks=networks)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            errors.append(error)
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    deadline, ranks = time.monotonic() + 120, []
+    while len(ranks) < 2 and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+        ranks = [int(text) for text in (path.read_text() for path in pids.iterdir()) if text]
+    assert len(ranks) == 2, (ranks, errors)
+    assert len(networks) == 1
+    networks[0].close()
+    thread.join(60)
+    assert not thread.is_alive() and len(errors) == 1
+    assert isinstance(errors[0], AssertionError)        # the job's non-zero exit
+    for pid in ranks:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 # ---------------------------------------------------------------- PS cluster layouts
 def test_layouts_say_how_many_hosts_they_take():
     from tfoverlap.testbed.cluster import LocalCluster, hosts_needed
