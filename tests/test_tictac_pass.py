@@ -139,6 +139,19 @@ def test_graphs_without_transfers_are_unchanged_with_one_info_line_per_process(
                for r in caplog.records) == lines
 
 
+def test_a_message_said_once_is_said_again_once_forgotten(caplog, monkeypatch):
+    """What a harness that runs programs in turn in one process (tests/jobs/in_sequence.py)
+    does between them: each program gets its own warnings."""
+    from tfoverlap import log
+    monkeypatch.setattr(log, "_said", set())
+    caplog.set_level(logging.WARNING, logger="tfoverlap")
+    for _ in range(2):
+        log.warn_once("a warning of the first program")
+    log.forget_said()
+    log.warn_once("a warning of the first program")
+    assert [r.getMessage() for r in caplog.records] == ["a warning of the first program"] * 2
+
+
 def test_gates_never_wait_for_later_transfers_in_shared_consumers():
     """An op that needs two transfers cannot gate the second of them (a cycle)."""
     graph = tf.Graph()

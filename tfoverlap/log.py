@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["logger", "warn_once", "info_once"]
+__all__ = ["logger", "warn_once", "info_once", "forget_said"]
 
 logger = logging.getLogger("tfoverlap")
 _said: set[str] = set()
@@ -34,3 +34,10 @@ def info_once(message: str) -> None:
     """Logs ``message`` at INFO level the first time it is seen in this process."""
     if _first_time(message):
         logger.info(message)
+
+
+def forget_said() -> None:
+    """Forgets every message said so far, so that each is said again when next seen (a
+    process that runs programs in turn, each expecting its own warnings)."""
+    with _said_lock:
+        _said.clear()

@@ -29,8 +29,7 @@ def fresh_tfoverlap_state(handlers: list) -> None:
     if "tfoverlap.log" in sys.modules:
         log = sys.modules["tfoverlap.log"]
         log.logger.handlers[:] = handlers
-        with log._said_lock:  # noqa: SLF001 - the process-wide memory of warn_once
-            log._said.clear()  # noqa: SLF001
+        log.forget_said()
     if "tfoverlap.horovod" in sys.modules:
         sys.modules["tfoverlap.horovod"].configure()
 
