@@ -78,6 +78,7 @@ def test_a_decoupled_tape_loop_trains_as_horovod_bit_for_bit_on_half_the_state(r
         assert ours["weights"] == plain["weights"], rank
         assert ours["slots"] == plain["slots"], rank
         assert ours["iterations"] == plain["iterations"] == STEPS
+        assert ours["gradients_left_for_apply"] == 0     # the traces' tensors not kept
         decision = next(d for d in ours["decisions"] if d.get("decoupled"))
         padding = 4 * len(decision["buckets"]) * len(next(iter(plain["slots"].values())))
         assert plain["state_bytes"] > 0

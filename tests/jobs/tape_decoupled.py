@@ -25,6 +25,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
+from tfoverlap.horovod.adapters import tape as tape_adapter  # noqa: E402
 from tfoverlap.horovod.core.decisions import recent_decisions  # noqa: E402
 from tfoverlap.horovod.in_call.checkpoints import shard_state_bytes, whole_slots  # noqa: E402
 from job_logging import Warnings  # noqa: E402 - this directory
@@ -183,6 +184,8 @@ def train(run, pattern, variant):
     record["iterations"] = int(optimizer.iterations)
     record["state_bytes"] = state_bytes(optimizer, variant)
     record["optimizer_variables"] = len(optimizer_variables(optimizer))
+    # What the tape left for an apply_gradients to find once its loops were traced.
+    record["gradients_left_for_apply"] = len(tape_adapter._by_gradient)  # noqa: SLF001
     return record
 
 

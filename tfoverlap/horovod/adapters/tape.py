@@ -34,6 +34,7 @@ class _TapeDeferral(Deferral):
     reduced: list = dataclasses.field(default_factory=list)     # what the tape returned
     traced: int = 0                 # the body's ops up to the last of the deferral's own
     decoupling: tuple = ()          # decouple's plan: (buckets, all-gather requests)
+    registered: list = dataclasses.field(default_factory=list)  # its keys in _by_gradient
 
     @property
     def key(self) -> tuple:
@@ -48,11 +49,23 @@ class _TapeDeferral(Deferral):
     def done(self) -> str:
         return "decoupled" if self.decoupling else "deferred"
 
+    def register(self, tensors) -> None:
+        """Lets apply_gradients find it by any of ``tensors`` (reduced gradients)."""
+        for tensor in tensors:
+            _by_gradient[tensor.ref()] = self
+            self.registered.append(tensor.ref())
+
+    def unregister(self) -> None:
+        """Drops every key it registered (they hold its graph's tensors)."""
+        for key in self.registered:
+            if _by_gradient.get(key) is self:
+                del _by_gradient[key]
+        self.registered.clear()
+
     def forget(self) -> None:
         """At the end of its loop's trace: drops what it left for apply_gradients to find,
         with one line where none took it (its gradients changed, or not applied)."""
-        for index in self.deferred:
-            _by_gradient.pop(self.reduced[index].ref(), None)
+        self.unregister()
         if self.optimizer is None and not self.decision.get("reason"):
             self.decision["reason"] = (
                 "no apply_gradients of the step got the tape's reduced gradients as they "
@@ -132,8 +145,7 @@ def _reduce_and_plan(plain, reduction, mode, grads, variables, use_generic_names
         _record(deferral)
         _say(level, f"nothing deferred: {deferral.decision.get('reason')}")
         return reduced
-    for index in deferral.deferred:
-        _by_gradient[reduced[index].ref()] = deferral
+    deferral.register(reduced[index] for index in sorted(deferral.deferred))
     loop.planned.append(deferral)
     return reduced
 
@@ -157,8 +169,7 @@ def _decouples(deferral: _TapeDeferral, graph, own: dict) -> bool:
     deferral.level = level
     deferral.decoupling = (buckets, gathers)
     deferral.chunks = [[i for b in chunk for i in buckets[b]] for chunk in gathers]
-    for tensor in deferral.reduced:
-        _by_gradient[tensor.ref()] = deferral
+    deferral.register(deferral.reduced)
     deferral.loop.planned.append(deferral)
     return True
 
@@ -277,8 +288,7 @@ def _defer(optimizer, deferral: _TapeDeferral, pairs, apply_kept):
         if deferral.decoupling:
             from tfoverlap.horovod.in_call.decoupling import refuse_again
             refuse_again(optimizer, deferral.variables, refused)
-        for index in deferral.deferred:
-            _by_gradient.pop(deferral.reduced[index].ref(), None)
+        deferral.unregister()
         deferral.decision.update(reason=refused, **{deferral.done: 0})
         _record(deferral)
         _say(deferral.level, f"nothing {deferral.done}: {refused}; the step reduces its "
