@@ -18,10 +18,10 @@ How rows become lines:
   (``graph`` or ``session``: TF1), whether it was emulated, the dilation, the command and
   the date; a PS row its PS tasks and layout too. The script refuses a row without them.
 - A *configuration* is a row's model, mode, workers, PS tasks, layout, link, API and steps
-  per call. A table has one line per
-  configuration and tfoverlap variant (TicTac's ``tic``, ``tac``, ...; Caramel's
-  ``caramel``, ``caramel_cross_step``, ...); the baselines (``default``, ``horovod``) and
-  the comparison runs (``compute_only``, ``comm_only``) have none of their own.
+  per call. A table has one line per configuration and tfoverlap variant (TicTac's
+  ``tic``, ``tac``, ...; Caramel's ``caramel``, ``caramel_cross_step``, ...); the
+  baselines (``default``, ``horovod``) and the comparison runs (``compute_only``,
+  ``comm_only``) have none of their own.
 - Where several rows describe the same configuration and variant (a variant named
   ``X_rerun`` is ``X`` measured again), the line shows the latest by ``date``, ties broken
   by position in the file (the benchmarks append new rows), and says how many runs there
