@@ -73,7 +73,8 @@ def test_a_row_that_cannot_be_read_is_refused_with_its_file_row_and_fields(page,
         path.write_text(original)
     (results / "ps.json").write_text('{"model": "m"}')
     assert page.main(["--doc", doc, "--results", str(results)]) == 2
-    assert capsys.readouterr().err == "results_page: ps.json is not a list of rows (JSON objects)\n"
+    assert capsys.readouterr().err == ("results_page: ps.json is not a list of rows "
+                                       "(JSON objects)\n")
     assert page.check(page.DOC, page.RESULTS)     # the repository's rows all can be read
 
 

@@ -282,7 +282,8 @@ def test_a_test_job_whose_network_is_closed_ends_with_no_rank_left(tmp_path):
     deadline, ranks = time.monotonic() + 120, []
     while len(ranks) < 2 and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
-        ranks = [int(text) for text in (path.read_text() for path in pids.iterdir()) if text]
+        texts = [path.read_text() for path in pids.iterdir()]
+        ranks = [int(text) for text in texts if text]
     assert len(ranks) == 2, (ranks, errors)
     assert len(networks) == 1
     networks[0].close()

@@ -149,7 +149,8 @@ def test_a_message_said_once_is_said_again_once_forgotten(caplog, monkeypatch):
         log.warn_once("a warning of the first program")
     log.forget_said()
     log.warn_once("a warning of the first program")
-    assert [r.getMessage() for r in caplog.records] == ["a warning of the first program"] * 2
+    said = [record.getMessage() for record in caplog.records]
+    assert said == ["a warning of the first program"] * 2
 
 
 def test_gates_never_wait_for_later_transfers_in_shared_consumers():

@@ -71,8 +71,8 @@ def write_result_rows(rows: list[dict], path: str, merge: bool = False,
     """The machine-readable rows (docs/results/*.json): RESULT_FIELDS, then those of
     RESULT_EXTRA a row has; one JSON object per row, in a list. With ``merge``, rows
     already in the file stay unless a new row has the same configuration (``_ROW_KEY``);
-    every row is written in its reading context (:func:`reading_context`); ``command`` (what reproduces the rows) and today's date go
-    into each row."""
+    every row is written in its reading context (:func:`reading_context`); ``command``
+    (what reproduces the rows) and today's date go into each row."""
     records = []
     for row in rows:
         row = reading_context({**row, **({"command": command,
@@ -89,7 +89,8 @@ def write_result_rows(rows: list[dict], path: str, merge: bool = False,
         with open(path) as stream:
             kept = json.load(stream)
         new_keys = {_row_key(r) for r in records}
-        records = [reading_context(r) for r in kept if _row_key(r) not in new_keys] + records
+        kept = [reading_context(r) for r in kept]
+        records = [r for r in kept if _row_key(r) not in new_keys] + records
     with open(path, "w") as stream:
         json.dump(records, stream, indent=1)
         stream.write("\n")
