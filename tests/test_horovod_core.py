@@ -120,3 +120,18 @@ def test_an_entry_whose_variable_takes_no_weak_reference_stays_with_it():
     assert table.get([plain], lambda: "made") == "made"
     assert table.get([plain], lambda: "again") == "made" == table.find([plain])
     assert table.find([object()]) is None and len(table) == 1
+
+
+@pytest.mark.parametrize("ring_seconds", [0.004, 0.050])
+def test_a_measured_latency_plans_a_lone_request_at_what_it_took(ring_seconds):
+    """A lone small AllReduce waits for Horovod's next cycle: it took max(cycle, ring).
+    The plan adds the cycle to the measured latency itself, so the measurement leaves it
+    out, and a request is planned at what it took, not at a cycle more."""
+    from tfoverlap.horovod.measure import _alpha_beta
+    from tfoverlap.planning.caramel import request_latency
+    ranks, cycle, steps = 8, 0.032, 14
+    took = max(cycle, ring_seconds)
+    bandwidth, latency = _alpha_beta(took, took + 0.1, 4096, 8 << 20, ranks, steps, cycle)
+    planned = steps * request_latency(latency, ranks, cycle)
+    assert planned == pytest.approx(took, rel=0.01)
+    assert bandwidth == pytest.approx(steps / ranks * ((8 << 20) - 4096) / 0.1)

@@ -28,11 +28,15 @@ def _median_seconds(run, repeats: int) -> float:
 
 
 def _alpha_beta(small_seconds: float, large_seconds: float, small_bytes: int,
-                large_bytes: int, ranks: int, steps: int) -> tuple[float, float]:
+                large_bytes: int, ranks: int, steps: int,
+                cycle_seconds: float = 0.0) -> tuple[float, float]:
     """(bandwidth, latency) of a ring collective of ``steps`` steps, each moving 1/ranks of
     the bytes, fitted to its times at two sizes: ``steps * latency + steps / ranks * bytes
-    / bandwidth``."""
-    latency = max(small_seconds / steps, 1e-6)
+    / bandwidth``. ``cycle_seconds``: Horovod's cycle, taken out of the small time. A lone
+    request waits for the next cycle, so it takes max(cycle, ring); the plan adds the cycle
+    back as its own term (:func:`tfoverlap.planning.caramel.request_latency`), which then
+    counts it once, not twice."""
+    latency = max((small_seconds - cycle_seconds) / steps, 1e-6)
     bandwidth = steps / ranks * (large_bytes - small_bytes) / max(
         large_seconds - small_seconds, 1e-6)
     return bandwidth, latency
@@ -42,9 +46,12 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
                     repeats: int = 5) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of the ring AllReduce, fitted to the median times of
     ``repeats`` AllReduces of two sizes; rank 0's values, broadcast to every rank. The
-    latency includes Horovod's per-request cost (negotiation, its cycle)."""
+    latency includes Horovod's negotiation but not its cycle, which the plan adds itself
+    (rank 0's HOROVOD_CYCLE_TIME)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
+
+    from tfoverlap.planning.caramel import horovod_cycle_seconds
     ranks = hvd.size()
     if ranks < 2:
         return 125e6, 50e-6
@@ -52,7 +59,8 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
     def fitted(run_small, run_large) -> list[float]:
         return _from_rank0(list(_alpha_beta(_median_seconds(run_small, repeats),
                                             _median_seconds(run_large, repeats), small_bytes,
-                                            large_bytes, ranks, 2 * (ranks - 1))),
+                                            large_bytes, ranks, 2 * (ranks - 1),
+                                            horovod_cycle_seconds(0.0))),
                            "tfoverlap_measure_result")
 
     small = np.ones(small_bytes // 4, np.float32)
