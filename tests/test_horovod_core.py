@@ -135,3 +135,20 @@ def test_a_measured_latency_plans_a_lone_request_at_what_it_took(ring_seconds):
     planned = steps * request_latency(latency, ranks, cycle)
     assert planned == pytest.approx(took, rel=0.01)
     assert bandwidth == pytest.approx(steps / ranks * ((8 << 20) - 4096) / 0.1)
+
+
+def test_the_network_is_measured_on_a_warm_ring(monkeypatch):
+    """A ring's connections are slow for their first hundreds of MB: every timed
+    AllReduce comes after ``warm_bytes`` of large ones, and every rank makes the same
+    calls (they are collectives)."""
+    import horovod.tensorflow as hvd
+
+    from tfoverlap.horovod import measure
+    calls = []
+    monkeypatch.setattr(hvd, "size", lambda: 2)
+    monkeypatch.setattr(hvd, "allreduce", lambda tensor, **_: calls.append(
+        int(tensor.shape[0]) * 4) or tensor)
+    monkeypatch.setattr(measure, "_from_rank0", lambda values, name: values)
+    measure.measure_network(small_bytes=4096, large_bytes=1 << 20, repeats=3,
+                            warm_bytes=8 << 20)
+    assert calls == [1 << 20] * 8 + [4096] * 4 + [1 << 20] * 4

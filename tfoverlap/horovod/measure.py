@@ -43,11 +43,18 @@ def _alpha_beta(small_seconds: float, large_seconds: float, small_bytes: int,
 
 
 def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
-                    repeats: int = 5) -> tuple[float, float]:
+                    repeats: int = 5, warm_bytes: int = 384 << 20) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of the ring AllReduce, fitted to the median times of
     ``repeats`` AllReduces of two sizes; rank 0's values, broadcast to every rank. The
     latency includes Horovod's negotiation but not its cycle, which the plan adds itself
-    (rank 0's HOROVOD_CYCLE_TIME)."""
+    (rank 0's HOROVOD_CYCLE_TIME).
+
+    The ring is first warmed with ``warm_bytes`` of large AllReduces, untimed: a job's
+    connections are slow for their first hundreds of MB (8 emulated ranks at 25 Gbit/s:
+    8 MB took 650 ms at first and 200 ms from about the 25th call on, and stayed there
+    after 3 s idle; measured after 24 warm calls the bandwidth read 73-85 MB/s, after 48
+    108, of a link of 98), and a plan made from a cold ring priced every bucket at up to
+    twice its time. The same number of calls on every rank: they are collectives."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -57,6 +64,8 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
         return 125e6, 50e-6
 
     def fitted(run_small, run_large) -> list[float]:
+        for _ in range(warm_bytes // large_bytes):
+            run_large()
         return _from_rank0(list(_alpha_beta(_median_seconds(run_small, repeats),
                                             _median_seconds(run_large, repeats), small_bytes,
                                             large_bytes, ranks, 2 * (ranks - 1),
