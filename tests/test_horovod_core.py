@@ -137,10 +137,12 @@ def test_a_measured_latency_plans_a_lone_request_at_what_it_took(ring_seconds):
     assert bandwidth == pytest.approx(steps / ranks * ((8 << 20) - 4096) / 0.1)
 
 
-def test_the_network_is_measured_on_a_warm_ring(monkeypatch):
+@pytest.mark.parametrize("warm_seconds, warm_calls", [(30.0, 8), (0.0, 1)])
+def test_the_network_is_measured_on_a_warm_ring(monkeypatch, warm_seconds, warm_calls):
     """A ring's connections are slow for their first hundreds of MB: every timed
-    AllReduce comes after ``warm_bytes`` of large ones, and every rank makes the same
-    calls (they are collectives)."""
+    AllReduce comes after ``warm_bytes`` of large ones, or as many as fit in
+    ``warm_seconds`` (a slow link), and every rank makes the same calls (they are
+    collectives)."""
     import horovod.tensorflow as hvd
 
     from tfoverlap.horovod import measure
@@ -150,5 +152,5 @@ def test_the_network_is_measured_on_a_warm_ring(monkeypatch):
         int(tensor.shape[0]) * 4) or tensor)
     monkeypatch.setattr(measure, "_from_rank0", lambda values, name: values)
     measure.measure_network(small_bytes=4096, large_bytes=1 << 20, repeats=3,
-                            warm_bytes=8 << 20)
-    assert calls == [1 << 20] * 8 + [4096] * 4 + [1 << 20] * 4
+                            warm_bytes=8 << 20, warm_seconds=warm_seconds)
+    assert calls == [1 << 20] * warm_calls + [4096] * 4 + [1 << 20] * 4

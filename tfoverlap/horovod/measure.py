@@ -43,7 +43,8 @@ def _alpha_beta(small_seconds: float, large_seconds: float, small_bytes: int,
 
 
 def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
-                    repeats: int = 5, warm_bytes: int = 384 << 20) -> tuple[float, float]:
+                    repeats: int = 5, warm_bytes: int = 384 << 20,
+                    warm_seconds: float = 30.0) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of the ring AllReduce, fitted to the median times of
     ``repeats`` AllReduces of two sizes; rank 0's values, broadcast to every rank. The
     latency includes Horovod's negotiation but not its cycle, which the plan adds itself
@@ -54,7 +55,9 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
     8 MB took 650 ms at first and 200 ms from about the 25th call on, and stayed there
     after 3 s idle; measured after 24 warm calls the bandwidth read 73-85 MB/s, after 48
     108, of a link of 98), and a plan made from a cold ring priced every bucket at up to
-    twice its time. The same number of calls on every rank: they are collectives."""
+    twice its time. On a slow link the warm-up stops after about ``warm_seconds``: rank 0
+    counts the calls that fit from its first, and every rank makes that many (they are
+    collectives)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -64,7 +67,11 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
         return 125e6, 50e-6
 
     def fitted(run_small, run_large) -> list[float]:
-        for _ in range(warm_bytes // large_bytes):
+        began = time.perf_counter()
+        run_large()
+        fit = warm_seconds / max(time.perf_counter() - began, 1e-9)
+        calls = _from_rank0([min(warm_bytes // large_bytes, fit)], "tfoverlap_measure_warm")
+        for _ in range(int(calls[0]) - 1):
             run_large()
         return _from_rank0(list(_alpha_beta(_median_seconds(run_small, repeats),
                                             _median_seconds(run_large, repeats), small_bytes,
