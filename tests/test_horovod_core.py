@@ -137,20 +137,60 @@ def test_a_measured_latency_plans_a_lone_request_at_what_it_took(ring_seconds):
     assert bandwidth == pytest.approx(steps / ranks * ((8 << 20) - 4096) / 0.1)
 
 
+def _timed_ring(monkeypatch, seconds_of):
+    """measure_network's AllReduces, each taking ``seconds_of(nbytes)`` on a clock of its
+    own, at 2 ranks: the sizes reduced, in order."""
+    import types
+
+    import horovod.tensorflow as hvd
+
+    from tfoverlap.horovod import measure
+    calls, clock = [], [0.0]
+
+    def allreduce(tensor, **_):
+        calls.append(int(tensor.shape[0]) * 4)
+        clock[0] += seconds_of(calls[-1])
+        return tensor
+
+    monkeypatch.setattr(hvd, "size", lambda: 2)
+    monkeypatch.setattr(hvd, "allreduce", allreduce)
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(measure, "_from_rank0", lambda values, name: values)
+    return calls
+
+
 @pytest.mark.parametrize("warm_seconds, warm_calls", [(30.0, 8), (0.0, 1)])
 def test_the_network_is_measured_on_a_warm_ring(monkeypatch, warm_seconds, warm_calls):
     """A ring's connections are slow for their first hundreds of MB: every timed
     AllReduce comes after ``warm_bytes`` of large ones, or as many as fit in
     ``warm_seconds`` (a slow link), and every rank makes the same calls (they are
     collectives)."""
-    import horovod.tensorflow as hvd
-
     from tfoverlap.horovod import measure
-    calls = []
-    monkeypatch.setattr(hvd, "size", lambda: 2)
-    monkeypatch.setattr(hvd, "allreduce", lambda tensor, **_: calls.append(
-        int(tensor.shape[0]) * 4) or tensor)
-    monkeypatch.setattr(measure, "_from_rank0", lambda values, name: values)
+    calls = _timed_ring(monkeypatch, lambda nbytes: 1e-3 + nbytes / 1e9)
     measure.measure_network(small_bytes=4096, large_bytes=1 << 20, repeats=3,
                             warm_bytes=8 << 20, warm_seconds=warm_seconds)
     assert calls == [1 << 20] * warm_calls + [4096] * 4 + [1 << 20] * 4
+
+
+def test_a_large_allreduce_hidden_in_horovods_cycle_grows_until_its_ring_shows(
+        monkeypatch):
+    """Back-to-back requests take max(cycle, ring): at 10 GB/s and a 5 ms cycle, 1 MB and
+    4 KB take a cycle each, which fitted a bandwidth of bytes over microseconds of noise.
+    The large size grows fourfold until it takes twice the small one, and the fit then
+    prices a large bucket at what it took."""
+    from tfoverlap.horovod import measure
+    cycle, bandwidth = 0.005, 10e9
+    calls = _timed_ring(monkeypatch, lambda nbytes: max(cycle, nbytes / bandwidth))
+    fitted, latency = measure.measure_network(small_bytes=4096, large_bytes=1 << 20,
+                                              repeats=3, warm_bytes=1 << 20,
+                                              largest_bytes=1 << 30)
+    sizes = list(dict.fromkeys(calls[5:]))       # after the warm call and the small ones
+    assert sizes == [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+    # The plan prices a request at its cycle plus its bytes over the bandwidth.
+    took = (256 << 20) / bandwidth
+    assert cycle + ((256 << 20) - 4096) / fitted == pytest.approx(took, rel=1e-6)
+    # Capped: the largest size the job allows, however hidden its ring still is.
+    calls.clear()
+    measure.measure_network(small_bytes=4096, large_bytes=1 << 20, repeats=3,
+                            warm_bytes=1 << 20, largest_bytes=16 << 20)
+    assert list(dict.fromkeys(calls[5:])) == [1 << 20, 4 << 20, 16 << 20]
