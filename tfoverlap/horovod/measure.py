@@ -92,17 +92,19 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
                                             horovod_cycle_seconds(0.0))),
                            "tfoverlap_measure_result")
 
+    made: dict = {}
+
+    def ones(nbytes: int):
+        """``nbytes`` of ones, made once: a copy made in each call would be timed."""
+        if nbytes not in made:
+            made[nbytes] = (tf.ones([nbytes // 4], tf.float32) if tf.executing_eagerly()
+                            else np.ones(nbytes // 4, np.float32))
+        return made[nbytes]
+
     if tf.executing_eagerly():
-        tensors: dict = {}
-
-        def tensor(nbytes: int):
-            if nbytes not in tensors:        # made once: a copy per call would be timed
-                tensors[nbytes] = tf.ones([nbytes // 4], tf.float32)
-            return tensors[nbytes]
-
         bandwidth, latency = fitted(
-            lambda: hvd.allreduce(tensor(small_bytes), op=hvd.Sum, name="tfoverlap_measure_s"),
-            lambda nbytes: hvd.allreduce(tensor(nbytes), op=hvd.Sum,
+            lambda: hvd.allreduce(ones(small_bytes), op=hvd.Sum, name="tfoverlap_measure_s"),
+            lambda nbytes: hvd.allreduce(ones(nbytes), op=hvd.Sum,
                                          name="tfoverlap_measure_l"))
     else:
         # Fed, not constant: Grappler would fold (run) an AllReduce of constants once, at
@@ -112,12 +114,10 @@ def measure_network(small_bytes: int = 4096, large_bytes: int = 8 << 20,
             small_op, large_op = (tf.reduce_sum(hvd.allreduce(fed, op=hvd.Sum, name=name))
                                   for fed, name in zip(inputs, ("tfoverlap_measure_s",
                                                                 "tfoverlap_measure_l")))
-        arrays = {nbytes: np.ones(nbytes // 4, np.float32) for nbytes in (small_bytes,)}
         with tf.compat.v1.Session(graph=graph) as session:
             bandwidth, latency = fitted(
-                lambda: session.run(small_op, {inputs[0]: arrays[small_bytes]}),
-                lambda nbytes: session.run(large_op, {inputs[1]: arrays.setdefault(
-                    nbytes, np.ones(nbytes // 4, np.float32))}))
+                lambda: session.run(small_op, {inputs[0]: ones(small_bytes)}),
+                lambda nbytes: session.run(large_op, {inputs[1]: ones(nbytes)}))
     return bandwidth, latency
 
 
