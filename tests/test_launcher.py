@@ -359,3 +359,22 @@ def test_two_installs_boot_directories_run_the_users_sitecustomize_once(tmp_path
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr.count("user sitecustomize ran as sitecustomize") == 1, result.stderr
     assert result.stdout.strip() == "user"
+
+
+def test_the_exit_line_of_a_horovod_program_without_the_wrappers_names_the_flag(monkeypatch):
+    """A TF2 Horovod step's AllReduces sit in Horovod's tf.cond branches, which no pass
+    plans: run without --allreduce caramel, the exit line says so instead of claiming that
+    no AllReduce reached tfoverlap."""
+    import types
+    from tfoverlap.integrations import tf_function
+    from tfoverlap.passes import base
+    monkeypatch.setattr(base, "recent_reports", lambda: [])
+    monkeypatch.setattr(tf_function, "coordinator_dispatches", lambda: 0)
+    monkeypatch.delitem(sys.modules, "tfoverlap.horovod.core.decisions", raising=False)
+    monkeypatch.delitem(sys.modules, "horovod.tensorflow", raising=False)
+    assert "no graph with parameter transfers" in launcher.summary_line()
+    monkeypatch.setitem(sys.modules, "horovod.tensorflow", types.ModuleType("horovod"))
+    line = launcher.summary_line()
+    assert "uses Horovod" in line and "tfoverlap run --allreduce caramel" in line
+    monkeypatch.setattr(launcher, "_wrapped_modules", {"horovod.tensorflow"})
+    assert "no graph with parameter transfers" in launcher.summary_line()

@@ -38,6 +38,8 @@ ENV_PREFIX = "TFOVERLAP_"
 ENV_ACTIVE = ENV_PREFIX + "RUN"
 _armed = threading.Event()
 _activated = threading.Event()
+#: the Horovod modules whose wrappers ``--allreduce caramel`` swapped (or tried to)
+_wrapped_modules: set = set()
 
 
 def environment_for(options: dict, base: dict | None = None) -> dict:
@@ -182,6 +184,7 @@ def _substitute_wrappers(module_name: str, options: dict) -> None:
     in place of Horovod's in ``module_name`` (graph-mode and Keras optimizers, and tape
     steps, then get Caramel's plan in the graph being built, cross-step overlap included),
     planned with the run's options."""
+    _wrapped_modules.add(module_name)
     try:
         import tfoverlap.horovod as tfo_hvd
         from tfoverlap.horovod.adapters.horovods import substitute_in_horovod
@@ -202,6 +205,14 @@ def _substitute_wrappers(module_name: str, options: dict) -> None:
     except Exception as error:  # noqa: BLE001 - the program must run anyway
         print(f"tfoverlap: Horovod's DistributedOptimizer is left in place "
               f"({type(error).__name__}: {error})", file=sys.stderr)
+
+
+def _uses_horovod_without_wrappers() -> bool:
+    """Whether the program imported Horovod's TensorFlow API and ``--allreduce caramel``
+    did not swap tfoverlap's wrappers in: a TF2 step's AllReduces then sit in Horovod's
+    tf.cond branches, which no pass plans, and graph mode gets Caramel only where the
+    session's config asks for it."""
+    return "horovod.tensorflow" in sys.modules and not _wrapped_modules
 
 
 def summary_line() -> str:
@@ -251,7 +262,12 @@ def summary_line() -> str:
                      "workers, whose Grappler optimizes them (their reports are there)")
     if failed:
         parts.append(f"{failed} rewrites failed and were rolled back (see the warnings)")
-    if not parts:
+    if not parts and _uses_horovod_without_wrappers():
+        parts.append("the program uses Horovod, whose AllReduces tfoverlap plans through its "
+                     "own DistributedOptimizer and DistributedGradientTape: run it with "
+                     "`tfoverlap run --allreduce caramel` to put them in; no parameter "
+                     "transfers reached it")
+    elif not parts:
         parts.append("no graph with parameter transfers or Horovod AllReduces reached it")
     return f"tfoverlap [{name}, pid {os.getpid()}]: " + "; ".join(parts)
 
