@@ -194,3 +194,27 @@ def test_a_large_allreduce_hidden_in_horovods_cycle_grows_until_its_ring_shows(
     measure.measure_network(small_bytes=4096, large_bytes=1 << 20, repeats=3,
                             warm_bytes=1 << 20, largest_bytes=16 << 20)
     assert list(dict.fromkeys(calls[5:])) == [1 << 20, 4 << 20, 16 << 20]
+
+
+def test_a_variable_whose_reads_an_open_session_has_taken_is_not_left_to_wait():
+    """TensorFlow ignores a control input added to an op that a session already took (it
+    warns; the op runs without the wait): updates of such a variable must stay in the
+    step. A closed session does not count, nor one made after."""
+    import tensorflow as tf
+
+    from tfoverlap.horovod.session.pending import read_by_a_session, watch_sessions
+    watch_sessions()
+    graph = tf.Graph()
+    with graph.as_default():
+        weight = tf.compat.v1.get_variable("weight", initializer=[1.0], use_resource=True)
+        later = tf.compat.v1.get_variable("later", initializer=[2.0], use_resource=True)
+    assert read_by_a_session([weight]) == ""
+    session = tf.compat.v1.Session(graph=graph)
+    session.run(weight.initializer)
+    with graph.as_default():
+        unseen = tf.compat.v1.get_variable("unseen", initializer=[3.0], use_resource=True)
+    reason = read_by_a_session([later, weight])
+    assert reason.startswith("a session already ran this graph with later/"), reason
+    assert read_by_a_session([unseen]) == ""        # built after the session's run
+    session.close()
+    assert read_by_a_session([weight]) == ""

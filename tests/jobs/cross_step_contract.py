@@ -26,7 +26,7 @@ from tfoverlap.horovod.session.deferral import deferral_summary  # noqa: E402
 PATTERNS = ("plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
             "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule",
             "adam", "nesterov", "clip", "gradient_after", "accumulation", "make_callable",
-            "monitored_session", "auto_declined", "end_of_input")
+            "monitored_session", "auto_declined", "end_of_input", "built_in_session")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True,
                cycle_ms=1)  # planned for 1 ms: the job cycles at 10 (tests/helpers.py)
@@ -87,6 +87,10 @@ def build(pattern, distributed):
                 zip(grads, [v for _, v in pairs]), global_step=step)
             if pattern == "gradient_after":
                 extra["gradient_norm"] = tf.linalg.global_norm(grads)
+        elif pattern == "built_in_session":   # Horovod's tensorflow_synthetic_benchmark.py
+            train = None
+            extra["make_train"] = lambda: distributed_optimizer.minimize(
+                loss, global_step=step, var_list=weights)
         else:
             train = distributed_optimizer.minimize(loss, global_step=step,
                                                    var_list=weights)
@@ -141,6 +145,13 @@ def train(pattern, variant):
                 "deferred": deferral_summary(graph)}
     session = tf.compat.v1.Session(graph=graph)
     session.run(model["init"])
+    if pattern == "built_in_session":     # the train op built after init and broadcast ran
+        session.run(model["broadcast"])
+        with graph.as_default():
+            known = set(tf.compat.v1.global_variables())
+            model["train"] = model["make_train"]()
+            session.run(tf.compat.v1.variables_initializer(
+                [v for v in tf.compat.v1.global_variables() if v not in known]))
     if pattern == "restore_plain_checkpoint":
         model["saver"].restore(session, os.path.join(CHECKPOINTS, f"checkpoint-horovod-{RANK}"))
         values.append(session.run(model["weights"][0]).tolist())

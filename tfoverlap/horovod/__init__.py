@@ -23,6 +23,9 @@ __all__ = ["DistributedOptimizer", "DistributedGradientTape", "configure", "meas
            "warmup_profile", "consolidate_optimizer_state", "decisions", "Decision"]
 
 if "tensorflow" in sys.modules:
-    # A tape step's loop may be traced before its first tape is made: hook loops now.
+    # A tape step's loop may be traced before its first tape is made: hook loops now; and
+    # a graph may be run by a session before its train op is built: watch sessions now.
     from tfoverlap.horovod.in_call.loops import install as _install_loop_hooks
+    from tfoverlap.horovod.session.pending import watch_sessions as _watch_sessions
     _install_loop_hooks()
+    _watch_sessions()

@@ -22,6 +22,8 @@ __all__ = ["attach", "schedule_in_place", "defer_and_schedule", "decouple_and_sc
 def attach(wrapped, optimizer, reduction: dict) -> None:
     """Makes Horovod's graph-mode ``wrapped`` optimizer (around ``optimizer``) reduce with
     plain HorovodAllreduce ops that Caramel plans, decoupled or deferred where possible."""
+    from tfoverlap.horovod.session.pending import watch_sessions
+    watch_sessions()        # where tfoverlap.horovod came before TensorFlow
     pending: dict = {}      # what apply_gradients builds once the updates exist
     wrapped._allreduce_grads = functools.partial(  # noqa: SLF001 - Horovod's hook
         _reduce_and_schedule, optimizer, reduction, pending)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from tfoverlap.horovod.session.pending import (arrival_queue, register_pending,
-                                               stage_results, staged_apply, summed_summaries)
+from tfoverlap.horovod.session.pending import (arrival_queue, read_by_a_session,
+                                               register_pending, stage_results, staged_apply,
+                                               summed_summaries)
 from tfoverlap.log import logger
 
 __all__ = ["deferral_refused", "reducing_allreduce", "defer_updates", "deferral_summary",
@@ -41,7 +42,7 @@ def deferral_refused(optimizer, variables, reduced, reduction: dict) -> str:
             return (f"the gradient of {variable.op.name} is sparse (IndexedSlices): "
                     "DistributedOptimizer(..., sparse_as_dense=True) reduces it dense, which "
                     "can be deferred")
-    return ""
+    return read_by_a_session(variables)
 
 
 def reducing_allreduce(reduced):

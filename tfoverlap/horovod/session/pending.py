@@ -13,7 +13,8 @@ from tfoverlap.horovod.core.patching import MARKER, patch
 from tfoverlap.log import logger
 
 __all__ = ["DeferralError", "register_pending", "staged_apply", "stage_results",
-           "arrival_queue", "join_reductions", "summed_summaries", "flush_op"]
+           "arrival_queue", "join_reductions", "summed_summaries", "flush_op",
+           "watch_sessions", "read_by_a_session"]
 
 
 # Ops that use a variable's handle but not its value: they need not wait for an update.
@@ -48,6 +49,7 @@ class _GraphState:
 
 
 _graphs = weakref.WeakKeyDictionary()         # graph -> _GraphState
+_handed = weakref.WeakKeyDictionary()         # session -> its graph's version when it last took it
 _reductions = weakref.WeakKeyDictionary()     # session -> {group name: background thread}
 _lock = threading.RLock()
 _JOIN_SECONDS = 120
@@ -251,6 +253,37 @@ def _after_run(session, fetched_ops, fed_tensors) -> None:
         _reduce_in_background(session, group)
 
 
+def watch_sessions() -> None:
+    """Hooks TensorFlow's session (once) to remember how much of each graph a session has
+    taken: TensorFlow ignores a control input added to an op that a session already has
+    (it logs a warning, and the op runs without the wait), so a mechanism whose waits would
+    land on such ops must not be built (:func:`read_by_a_session`)."""
+    from tensorflow.python.client import session as session_lib
+    patch(session_lib.BaseSession, "_extend_graph", _guarding_new_ops)
+
+
+def read_by_a_session(variables) -> str:
+    """Why updates of ``variables`` cannot leave the step where a session that is still
+    open already took an op that uses one of them (a read, its initializer): that op
+    would run there without the wait for the update ("" if none did; a session made
+    afterwards takes the ops with their waits)."""
+    graph = variables[0].graph if variables else None
+    handed = max((version for session, version in list(_handed.items())
+                  if session.graph is graph and not session._closed),  # noqa: SLF001
+                 default=0)
+    if not handed:
+        return ""
+    taken = frozenset(graph.get_operations()[:handed])   # the version counts the ops
+    for variable in variables:
+        for op in sorted(variable.handle.consumers(), key=lambda op: op._id):  # noqa: SLF001
+            if op in taken and op.type not in _VALUELESS_OPS:
+                return (f"a session already ran this graph with {op.name}, which uses "
+                        f"{variable.op.name}, and TensorFlow does not add a wait to an op "
+                        "a session has; build the train op before the session's first run "
+                        "to overlap its reductions")
+    return ""
+
+
 def _install_session_hooks() -> None:
     """Hooks TensorFlow's session (once): new ops get their waits, a train run starts its
     background run when it returns, and a close waits for those in flight."""
@@ -258,7 +291,7 @@ def _install_session_hooks() -> None:
     base = session_lib.BaseSession
     if hasattr(base.close, MARKER):
         return
-    patch(base, "_extend_graph", _guarding_new_ops)
+    watch_sessions()
     patch(base, "_call_tf_sessionrun", _reducing_after_run)
     patch(base, "_make_callable_from_options", _reducing_after_callable)
     patch(base, "close", _joining_reductions)
@@ -267,11 +300,14 @@ def _install_session_hooks() -> None:
 
 def _guarding_new_ops(extend_graph):
     def _extend_graph(self):
-        state = _graphs.get(self._graph)  # noqa: SLF001
+        graph = self._graph  # noqa: SLF001
+        state = _graphs.get(graph)
         if state is not None:
             with _lock:
-                _guard_new_ops(self._graph, state)  # noqa: SLF001
-        return extend_graph(self)
+                _guard_new_ops(graph, state)
+        extended = extend_graph(self)
+        _handed[self] = graph.version
+        return extended
     return _extend_graph
 
 
