@@ -237,7 +237,7 @@ def test_keras_fit_defers_and_every_value_checkpoint_and_weight_is_horovods(kera
     once: Keras' SGD, Adam (its step count) and AdamW (its decay), the legacy SGD with
     momentum and Adam, and:
     - schedule: SGD with momentum at an exponentially decayed rate (each update at its
-      own step's rate);
+      own step's rate), on a Sequential without an input shape (built by its first call);
     - validation: validation_data, and rank 0 alone evaluating after each epoch (no
       collective: exact values, no hang);
     - checkpoint: a tf.train.Checkpoint of model and optimizer after epoch 1, restored in

@@ -151,10 +151,11 @@ def _plan(model, optimizer, train_step, data) -> tuple[Deferral, list | None]:
     mode = wrapper_option("cross_step", "auto")
     decouple = wrapper_option("decouple", False)
     level = logging.WARNING if (decouple or mode) is True else logging.INFO
+    unbuilt = _build_before_the_step(model, data)
     deferral = Deferral(decision=planned("cross_step", mode), optimizer=optimizer,
-                        variables=list(model.trainable_variables),
+                        variables=[] if unbuilt else list(model.trainable_variables),
                         reduction=_optimizers[optimizer])
-    refused = deferral_refused(model, optimizer)
+    refused = unbuilt or deferral_refused(model, optimizer)
     if refused:
         if decouple:
             deferral.decision["decoupled"] = 0
@@ -203,6 +204,23 @@ def _plan(model, optimizer, train_step, data) -> tuple[Deferral, list | None]:
     deferral.drain = tf.function(lambda: deferral.finish_pending())
     deferral.say_deferred("model.fit")
     return deferral, trial
+
+
+def _build_before_the_step(model, data) -> str:
+    """Builds a model that makes its weights on its first call (a Sequential without an
+    input shape, as in Horovod's Keras examples), by a call traced apart on the batch's
+    specs, as the step's own first call would: the plan needs the weights before the step
+    is traced. Why it cannot be built ("" where it is)."""
+    import tensorflow as tf
+    if model.built:
+        return ""
+    inputs, _, _ = tf.keras.utils.unpack_x_y_sample_weight(data)
+    spec = tf.nest.map_structure(lambda value: _batch_spec(value, _fit_batch[0]), inputs)
+    try:
+        tf.function(lambda batch: model(batch, training=True)).get_concrete_function(spec)
+    except Exception as error:  # noqa: BLE001 - the step builds it then, in-step
+        return f"the model could not be built before its first step ({error})"
+    return "" if model.built else "the model is not built by a call on its inputs"
 
 
 def _decouples(model, optimizer, deferral, graph, own: dict, mode) -> bool:
