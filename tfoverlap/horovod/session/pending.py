@@ -268,7 +268,9 @@ def read_by_a_session(variables) -> str:
     would run there without the wait for the update ("" if none did; a session made
     afterwards takes the ops with their waits)."""
     graph = variables[0].graph if variables else None
-    handed = max((version for session, version in list(_handed.items())
+    with _lock:
+        sessions = list(_handed.items())
+    handed = max((version for session, version in sessions
                   if session.graph is graph and not session._closed),  # noqa: SLF001
                  default=0)
     if not handed:
@@ -306,7 +308,8 @@ def _guarding_new_ops(extend_graph):
             with _lock:
                 _guard_new_ops(graph, state)
         extended = extend_graph(self)
-        _handed[self] = graph.version
+        with _lock:         # background runs extend from threads of their own
+            _handed[self] = graph.version
         return extended
     return _extend_graph
 
