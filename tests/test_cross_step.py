@@ -411,12 +411,13 @@ def test_a_tape_step_that_reads_a_deferred_variable_after_its_update_stops_clear
         assert "error" not in records["late_read"]["horovod"]
 
 
-@pytest.mark.parametrize("modes", ["graph", "keras,tape"])
+@pytest.mark.parametrize("modes", ["graph", "keras,horovod_keras,tape"])
 def test_under_tfoverlap_run_a_plain_horovod_program_gets_the_wrappers_and_trains_exactly(
         modes):
     """``horovodrun ... tfoverlap run --allreduce caramel -- python train.py``: the
-    program's ``DistributedOptimizer`` (TF1 and Keras) or ``DistributedGradientTape`` (a
-    loop of steps in a ``tf.function``) is tfoverlap's, cross-step overlap
+    program's ``DistributedOptimizer`` (TF1, and Keras from ``horovod.tensorflow.keras``
+    or ``horovod.keras``) or ``DistributedGradientTape`` (a loop of steps in a
+    ``tf.function``) is tfoverlap's, cross-step overlap
     decides for its step (one summary line per rank says so), and the losses and final
     weights are those of the same program without tfoverlap, bit for bit. The Keras and
     tape programs train in one process (one job)."""

@@ -112,7 +112,7 @@ def activate_from_environment() -> None:
     else:
         sys.meta_path.insert(0, _AfterImport("tensorflow", lambda: _on_tensorflow(options)))
     if str(options.get("allreduce", "")).lower() == "caramel":
-        for module in ("horovod.tensorflow", "horovod.tensorflow.keras"):
+        for module in ("horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras"):
             if module in sys.modules:
                 _substitute_wrappers(module, options)
             else:

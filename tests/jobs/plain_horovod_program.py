@@ -4,7 +4,9 @@ tests/test_decoupled.py run it with and without ``tfoverlap run --allreduce cara
 argv[1]: the modes to train, one after the other (comma-separated; "graph" alone, as it
 turns eager execution off): "graph" (TF1, ``hvd.DistributedOptimizer`` around Momentum, 4
 session runs), "keras" (``horovod.tensorflow.keras.DistributedOptimizer`` in model.fit
-with steps_per_execution=2) or "tape" (``hvd.DistributedGradientTape`` in a loop of 2
+with steps_per_execution=2), "horovod_keras" (the same with ``horovod.keras``, the
+standalone-Keras module of Horovod's examples) or "tape" (``hvd.DistributedGradientTape``
+in a loop of 2
 steps inside a ``tf.function``, called twice). Prints one JSON line per rank and mode:
 the losses, the final weights, and the module the program's ``DistributedOptimizer``
 came from.
@@ -65,15 +67,20 @@ def keras_model():
     return model
 
 
-def train_keras():
+def train_keras(horovod_keras=hvd_keras):
     model = keras_model()
-    model.compile(optimizer=hvd_keras.DistributedOptimizer(
+    model.compile(optimizer=horovod_keras.DistributedOptimizer(
         tf.keras.optimizers.SGD(0.05, momentum=0.9)),
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         steps_per_execution=2)
     history = model.fit(inputs, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     return (history.history["loss"], model.get_weights(),
-            hvd_keras.DistributedOptimizer.__module__)
+            horovod_keras.DistributedOptimizer.__module__)
+
+
+def train_horovod_keras():
+    import horovod.keras
+    return train_keras(horovod.keras)
 
 
 def train_tape():
@@ -101,6 +108,7 @@ def train_tape():
 
 for mode in MODES:
     losses, final, wrapper = {"graph": train_graph, "keras": train_keras,
+                              "horovod_keras": train_horovod_keras,
                               "tape": train_tape}[mode]()
     print(json.dumps({"rank": hvd.rank(), "mode": mode, "losses": losses,
                       "weights": [w.ravel().tolist() for w in final], "wrapper": wrapper}),
