@@ -372,9 +372,11 @@ def test_the_exit_line_of_a_horovod_program_without_the_wrappers_names_the_flag(
     monkeypatch.setattr(tf_function, "coordinator_dispatches", lambda: 0)
     monkeypatch.delitem(sys.modules, "tfoverlap.horovod.core.decisions", raising=False)
     monkeypatch.delitem(sys.modules, "horovod.tensorflow", raising=False)
+    monkeypatch.delitem(sys.modules, "tfoverlap.horovod", raising=False)
     assert "no graph with parameter transfers" in launcher.summary_line()
     monkeypatch.setitem(sys.modules, "horovod.tensorflow", types.ModuleType("horovod"))
     line = launcher.summary_line()
     assert "uses Horovod" in line and "tfoverlap run --allreduce caramel" in line
-    monkeypatch.setattr(launcher, "_wrapped_modules", {"horovod.tensorflow"})
+    # The wrappers are in (imported by the program, or swapped in by the flag).
+    monkeypatch.setitem(sys.modules, "tfoverlap.horovod", types.ModuleType("tfoverlap"))
     assert "no graph with parameter transfers" in launcher.summary_line()

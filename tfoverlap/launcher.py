@@ -38,8 +38,6 @@ ENV_PREFIX = "TFOVERLAP_"
 ENV_ACTIVE = ENV_PREFIX + "RUN"
 _armed = threading.Event()
 _activated = threading.Event()
-#: the Horovod modules whose wrappers ``--allreduce caramel`` swapped (or tried to)
-_wrapped_modules: set = set()
 
 
 def environment_for(options: dict, base: dict | None = None) -> dict:
@@ -184,7 +182,6 @@ def _substitute_wrappers(module_name: str, options: dict) -> None:
     in place of Horovod's in ``module_name`` (graph-mode and Keras optimizers, and tape
     steps, then get Caramel's plan in the graph being built, cross-step overlap included),
     planned with the run's options."""
-    _wrapped_modules.add(module_name)
     try:
         import tfoverlap.horovod as tfo_hvd
         from tfoverlap.horovod.adapters.horovods import substitute_in_horovod
@@ -208,11 +205,11 @@ def _substitute_wrappers(module_name: str, options: dict) -> None:
 
 
 def _uses_horovod_without_wrappers() -> bool:
-    """Whether the program imported Horovod's TensorFlow API and ``--allreduce caramel``
-    did not swap tfoverlap's wrappers in: a TF2 step's AllReduces then sit in Horovod's
-    tf.cond branches, which no pass plans, and graph mode gets Caramel only where the
-    session's config asks for it."""
-    return "horovod.tensorflow" in sys.modules and not _wrapped_modules
+    """Whether the program imported Horovod's TensorFlow API but not tfoverlap's wrappers
+    (neither itself nor through ``--allreduce caramel``): a TF2 step's AllReduces then sit
+    in Horovod's tf.cond branches, which no pass plans, and graph mode gets Caramel only
+    where the session's config asks for it."""
+    return "horovod.tensorflow" in sys.modules and "tfoverlap.horovod" not in sys.modules
 
 
 def summary_line() -> str:
