@@ -80,6 +80,7 @@ def test_every_value_checkpoint_and_weight_is_horovods(patterns, pattern):
     ("accumulation", "backward_passes_per_step > 1: Horovod's own reduction is used"),
     # TensorFlow would ignore the waits added to the reads the session already has.
     ("built_in_session", "a session already ran this graph with w0/"),
+    ("ref_variables", "not resource variables (tf.compat.v1.disable_v2_behavior() makes"),
 ])
 def test_a_program_outside_the_contract_is_refused_in_one_warning_and_trains_exactly(
         patterns, pattern, warning):

@@ -26,7 +26,8 @@ from tfoverlap.horovod.session.deferral import deferral_summary  # noqa: E402
 PATTERNS = ("plain_loop", "validation", "rank0_validation", "batch_norm", "checkpoint",
             "restore_plain_checkpoint", "flush_midway", "two_optimizers", "schedule",
             "adam", "nesterov", "clip", "gradient_after", "accumulation", "make_callable",
-            "monitored_session", "auto_declined", "end_of_input", "built_in_session")
+            "monitored_session", "auto_declined", "end_of_input", "built_in_session",
+            "ref_variables")
 # A slow link and slow compute: the plan's ring has a tail to defer.
 OPTIONS = dict(bandwidth="4Mbit", latency=50e-6, flops=2.5e7, force=True,
                cycle_ms=1)  # planned for 1 ms: the job cycles at 10 (tests/helpers.py)
@@ -59,7 +60,8 @@ def build(pattern, distributed):
     """The graph of ``pattern`` trained with ``distributed``'s DistributedOptimizer."""
     graph = tf.Graph()
     with graph.as_default():
-        weights = [tf.compat.v1.get_variable(f"w{i}", initializer=value, use_resource=True)
+        weights = [tf.compat.v1.get_variable(f"w{i}", initializer=value,
+                                             use_resource=pattern != "ref_variables")
                    for i, value in enumerate(INITIAL)]
         x = tf.compat.v1.placeholder(tf.float32, [32, 64], name="x")
         y = tf.compat.v1.placeholder(tf.int64, [32], name="y")

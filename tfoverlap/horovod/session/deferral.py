@@ -30,7 +30,9 @@ def deferral_refused(optimizer, variables, reduced, reduction: dict) -> str:
                 "values, which are stored with the gradient)")
     if any(not isinstance(v, tf.Variable) or not hasattr(v, "handle") or
            v.handle.dtype != tf.resource for v in variables):
-        return "some variables are not resource variables"
+        return ("some variables are not resource variables (tf.compat.v1.disable_v2_behavior() "
+                "makes TF1 layers create ref variables: call "
+                "tf.compat.v1.enable_resource_variables() after it)")
     refused = deferral_refused_by_reduction(reduction)
     if refused:
         return refused
