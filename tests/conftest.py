@@ -20,7 +20,10 @@ def pytest_terminal_summary(terminalreporter):
         for line in sorted(lines, key=lambda line: -line["seconds"]):
             settings = " ".join(f"{name}={value}" for name, value in line["settings"].items()
                                 if not name.endswith("RECORDS") and "CHECKPOINTS" not in name)
-            terminalreporter.write_line(f"{line['seconds']:8.1f}s {line['script']} {settings}")
+            arguments = " ".join(line.get("arguments", []))
+            arguments = arguments if len(arguments) <= 40 else arguments[:37] + "..."
+            terminalreporter.write_line(
+                f"{line['seconds']:8.1f}s {line['script']} {arguments} {settings}".rstrip())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,11 +104,11 @@ class _HorovodJobs:
         self.networks: list = []      # the running jobs' networks
 
     def groups(self) -> dict:
-        """(ranks, controller) -> its job names; those that turn eager execution off
-        after those that need it (they share a process)."""
+        """(ranks, controller, process) -> its job names; those that turn eager execution
+        off after those that need it (they share a process)."""
         groups = {}
         for name, job in sorted(self.declared.items(), key=lambda item: item[1].disables_eager):
-            groups.setdefault((job.ranks, job.controller), []).append(name)
+            groups.setdefault((job.ranks, job.controller, job.process), []).append(name)
         return groups
 
     def start(self) -> None:
@@ -128,11 +131,12 @@ class _HorovodJobs:
 
     def _run(self, group: tuple, members: list, times) -> None:
         from helpers import run_jobs_in_sequence
-        ranks, controller = group
+        ranks, controller, _ = group
         try:
             run_jobs_in_sequence(
                 ranks, [(self.declared[member].script,
-                         self.declared[member].env(self.directories[member]))
+                         self.declared[member].env(self.directories[member]),
+                         self.declared[member].argv)
                         for member in members],
                 timeout=sum(self.declared[member].timeout for member in members),
                 controller=controller, times=times, networks=self.networks)
@@ -151,7 +155,7 @@ class _HorovodJobs:
 
     def __call__(self, name: str):
         job = self.declared[name]
-        group = (job.ranks, job.controller)
+        group = (job.ranks, job.controller, job.process)
         self.start()
         self.finished[group].wait()
         if group in self.failures:

@@ -162,13 +162,17 @@ class HorovodJob:
     ranks and controller in one Horovod job (tests/jobs/in_sequence.py). ``env``: the
     script's environment variables, given the directory it writes its records to.
     ``disables_eager``: the script turns eager execution off for the process (a TF1
-    program), so it runs after the scripts that need it on."""
+    program), so it runs after the scripts that need it on. ``argv``: the script's
+    arguments. ``process``: a name for a job that needs a fresh process (a Horovod job of
+    its own, beside the shared one of its ranks and controller)."""
     script: str
     env: typing.Callable[[pathlib.Path], dict]
     ranks: int = 2
     controller: str = "gloo"
     timeout: float = 600
     disables_eager: bool = False
+    argv: tuple = ()
+    process: str = ""
 
 
 #: Horovod's background loop negotiates once a cycle, over TCP under Gloo, busy or not: at
@@ -180,7 +184,7 @@ HOROVOD_CYCLE_TIME_MS = "10"
 
 def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gloo",
                          times=None, networks: list | None = None) -> None:
-    """Runs the ``(script, env)`` job scripts one after another in one Horovod job of
+    """Runs the ``(script, env[, argv])`` job scripts one after another in one Horovod job of
     ``ranks`` ranks (loopback, ``controller`` "gloo" or "mpi"; tests/jobs/in_sequence.py);
     each script's records are where its ``env`` told it to write them, and how long each
     took is appended to ``times`` (a path, as JSON lines) where given. The job's network
@@ -189,8 +193,9 @@ def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gl
     from tfoverlap.testbed.horovod_launch import run_horovod
     from tfoverlap.testbed.network import EmulatedNetwork
     argv = []
-    for script, env in jobs:
-        argv += [f"{name}={value}" for name, value in env.items()] + [script, ";"]
+    for script, env, *arguments in jobs:
+        argv += ([f"{name}={value}" for name, value in env.items()] + [script]
+                 + [str(argument) for values in arguments for argument in values] + [";"])
     with EmulatedNetwork(ranks, loopback=True) as network:
         if networks is not None:
             networks.append(network)

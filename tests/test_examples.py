@@ -51,6 +51,6 @@ def test_horovod_tf2_example_and_a_plain_horovod_program_under_tfoverlap_run(net
 
 def test_horovod_keras_example(network):
     """With Gloo, as its docstring runs it (tfoverlap.horovod.keras under MPI:
-    tests/test_caramel.py)."""
+    tests/test_caramel_training.py)."""
     _losses(run_horovod(network, 2, [sys.executable, KERAS, "--steps", "4"],
                         controller="gloo"))

@@ -8,7 +8,8 @@ Or argv: --scenarios JSON, a list of {"name", "mode", "steps", "variants", "env"
 such runs one after another in this one process (one Horovod start-up for them all), each
 with its CARAMEL_TEST_* settings in "env" (over this process's environment); its records
 carry its name as "scenario". Graph mode turns eager execution off for the process, so
-graph scenarios and tf2/keras ones take a job each.
+graph scenarios and tf2/keras ones take a job each. Where $CARAMEL_RECORDS names a
+directory, each rank writes its records there as a list (rank-N.json) instead.
 Every rank trains the same small conv + dense model from the same initial weights on its
 own data (seeded by rank), so the losses depend on the reduction being right. Graph-mode
 runs trace every step and report the order in which the gradient producers started.
@@ -205,6 +206,7 @@ def train_keras(variant):
 FINAL_WEIGHTS: dict = {}
 BEFORE_FLUSH: dict = {}
 TRAIN = {"graph": train_graph, "tf2": train_tf2, "keras": train_keras}
+records = []
 for scenario in SCENARIOS:
     set_up(scenario)
     for variant in scenario["variants"]:
@@ -221,8 +223,13 @@ for scenario in SCENARIOS:
             if "_grad/MatMul_1" in name or "Conv2DBackpropFilter" in name]
         observed = [sorted((n for n in order if n in times), key=lambda n: times[n])
                     for times in started]
-        print(json.dumps({"rank": hvd.rank(), "scenario": scenario["name"],
-                          "variant": variant, "losses": losses, "plan": plan,
-                          "observed_orders": observed,
-                          "weights": FINAL_WEIGHTS.get(variant),
-                          "before_flush": BEFORE_FLUSH.get(variant)}), flush=True)
+        records.append({"rank": hvd.rank(), "scenario": scenario["name"],
+                        "variant": variant, "losses": losses, "plan": plan,
+                        "observed_orders": observed, "weights": FINAL_WEIGHTS.get(variant),
+                        "before_flush": BEFORE_FLUSH.get(variant)})
+        if not os.environ.get("CARAMEL_RECORDS"):
+            print(json.dumps(records[-1]), flush=True)
+if os.environ.get("CARAMEL_RECORDS"):
+    with open(os.path.join(os.environ["CARAMEL_RECORDS"], f"rank-{hvd.rank()}.json"),
+              "w") as stream:
+        json.dump(records, stream)

@@ -1,7 +1,10 @@
-"""A Horovod job for the cross_step test: a benchmark model (argv[1]) trained 4 steps with
-plain Horovod and with tfoverlap.horovod's cross_step, from the same initial weights (rank
-0's, broadcast); prints whether the losses and the weights after the flush are the same."""
+"""A Horovod job for the cross_step test: a benchmark model (argv[1]; the transformer
+with argv[2] layers where given) trained 4 steps with plain Horovod and with
+tfoverlap.horovod's cross_step, from the same initial weights (rank 0's, broadcast); writes
+whether the losses and the weights after the flush are the same to
+$CROSS_STEP_MODEL_RECORDS/rank-N.json."""
 import json
+import os
 import sys
 
 import numpy as np
@@ -12,9 +15,22 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import tfoverlap.horovod as tfo_hvd  # noqa: E402
 from tfoverlap.horovod.session.deferral import deferral_summary  # noqa: E402
-from tfoverlap.testbed.models import build_model  # noqa: E402
+from tfoverlap.testbed import models  # noqa: E402
 
 hvd.init()
+
+
+def model_of(distributed):
+    """argv[1] on the CPU at batch 2, its optimizer wrapped by ``distributed``."""
+    def wrap(optimizer):
+        return distributed.DistributedOptimizer(optimizer, sparse_as_dense=True)
+    if sys.argv[2:]:
+        assert sys.argv[1] == "transformer", "a layer count is the transformer's"
+        return models.transformer_model(2, layers=int(sys.argv[2]), worker_device="/cpu:0",
+                                        seed=0, wrap_optimizer=wrap)
+    return models.build_model(sys.argv[1], 2, 0, "/cpu:0", True, seed=0, wrap_optimizer=wrap)
+
+
 results, initial = {}, None
 for variant in ("horovod", "cross_step"):
     if variant == "cross_step":
@@ -23,9 +39,7 @@ for variant in ("horovod", "cross_step"):
         distributed = tfo_hvd
     else:
         distributed = hvd
-    model = build_model(sys.argv[1], 2, 0, "/cpu:0", True, seed=0,
-                        wrap_optimizer=lambda optimizer, distributed=distributed:
-                        distributed.DistributedOptimizer(optimizer, sparse_as_dense=True))
+    model = model_of(distributed)
     with model.graph.as_default():
         own = [v for v in tf.compat.v1.global_variables()
                if not v.name.startswith("tfoverlap/")]
@@ -46,9 +60,10 @@ for variant in ("horovod", "cross_step"):
                             "deferred": deferral_summary(model.graph)}
     tfo_hvd.configure()
 plain, deferred = results["horovod"], results["cross_step"]
-print(json.dumps({
-    "rank": hvd.rank(), "losses": [plain["losses"], deferred["losses"]],
-    "same_losses": plain["losses"] == deferred["losses"],
-    "same_final_weights": all(np.array_equal(a, b)
-                              for a, b in zip(plain["final"], deferred["final"])),
-    "deferred": deferred["deferred"]}), flush=True)
+with open(os.path.join(os.environ["CROSS_STEP_MODEL_RECORDS"], f"rank-{hvd.rank()}.json"),
+          "w") as stream:
+    json.dump({"rank": hvd.rank(), "losses": [plain["losses"], deferred["losses"]],
+               "same_losses": plain["losses"] == deferred["losses"],
+               "same_final_weights": all(np.array_equal(a, b)
+                                         for a, b in zip(plain["final"], deferred["final"])),
+               "deferred": deferred["deferred"]}, stream)

@@ -9,7 +9,7 @@ is concerned: default options, no log handlers of the scripts before it, and no 
 remembered as said (each script counts the warnings it gets).
 
 Where $IN_SEQUENCE_TIMES names a file, rank 0 appends a JSON line per script to it: the
-script, its settings and the seconds it took.
+script, its arguments and settings, and the seconds it took.
 
 Once every script has run (their records written), the process shuts Horovod down and
 exits at once, without the interpreter's teardown: in a 2-rank job that had trained some
@@ -69,7 +69,7 @@ if __name__ == "__main__":
                 "HOROVOD_RANK", environment.get("OMPI_COMM_WORLD_RANK")):
             with open(environment["IN_SEQUENCE_TIMES"], "a") as times:
                 times.write(json.dumps({"script": os.path.basename(script_argv[0]),
-                                        "settings": settings,
+                                        "arguments": script_argv[1:], "settings": settings,
                                         "seconds": round(time.monotonic() - began, 1)}) + "\n")
     if "horovod.tensorflow" in sys.modules:     # under MPI: finalize it as a rank must
         sys.modules["horovod.tensorflow"].shutdown()
