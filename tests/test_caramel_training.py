@@ -122,7 +122,7 @@ def _runs(request, mode):
 # Each mode with both ways in (the flag and the drop-in) against plain Horovod, under Gloo
 # (Keras under MPI: the model.fit test; graph mode and tapes under MPI:
 # tests/test_contract_matrix.py's MPI cases). 2 ranks, not 4: tfoverlap takes the rank count from
-# hvd.size() and uses it only as a number (the rewrite tests above plan for 4 ranks), and
+# hvd.size() and uses it only as a number (tests/test_caramel.py plans for 4 ranks), and
 # 4 ranks on a 2-core host cost the job twice the time.
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["graph", "tf2"])
