@@ -11,19 +11,21 @@ _JOB_TIMES: list = []
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How long each script of the session's Horovod jobs took (their tests' durations
-    hide it: the jobs run while other tests do)."""
+    """How long each script of the session's Horovod jobs took, and the CPU rank 0 spent on
+    it (their tests' durations hide both: the jobs run while other tests do)."""
     lines = [json.loads(line) for path in _JOB_TIMES if path.exists()
              for line in path.read_text().splitlines()]
     if lines:
-        terminalreporter.write_sep("=", "Horovod job scripts (rank 0, while other tests ran)")
+        terminalreporter.write_sep(
+            "=", "Horovod job scripts (rank 0's seconds and CPU-seconds, while other tests ran)")
         for line in sorted(lines, key=lambda line: -line["seconds"]):
             settings = " ".join(f"{name}={value}" for name, value in line["settings"].items()
                                 if not name.endswith("RECORDS") and "CHECKPOINTS" not in name)
             arguments = " ".join(line.get("arguments", []))
             arguments = arguments if len(arguments) <= 40 else arguments[:37] + "..."
             terminalreporter.write_line(
-                f"{line['seconds']:8.1f}s {line['script']} {arguments} {settings}".rstrip())
+                f"{line['seconds']:8.1f}s {line['cpu_seconds']:7.1f} CPU-s "
+                f"{line['script']} {arguments} {settings}".rstrip())
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,8 @@ is concerned: default options, no log handlers of the scripts before it, and no 
 remembered as said (each script counts the warnings it gets).
 
 Where $IN_SEQUENCE_TIMES names a file, rank 0 appends a JSON line per script to it: the
-script, its arguments and settings, and the seconds it took.
+script, its arguments and settings, the seconds it took and the CPU-seconds rank 0 spent
+on it (all threads: TensorFlow's, Horovod's background loop).
 
 Once every script has run (their records written), the process shuts Horovod down and
 exits at once, without the interpreter's teardown: in a 2-rank job that had trained some
@@ -59,7 +60,7 @@ if __name__ == "__main__":
         os.environ.clear()
         os.environ.update(environment, **settings)
         sys.argv = list(script_argv)
-        began = time.monotonic()
+        began, began_cpu = time.monotonic(), time.process_time()
         try:
             runpy.run_path(script_argv[0], run_name="__main__")
         except SystemExit as done:      # a script's sys.exit(0) ends that script alone
@@ -70,7 +71,9 @@ if __name__ == "__main__":
             with open(environment["IN_SEQUENCE_TIMES"], "a") as times:
                 times.write(json.dumps({"script": os.path.basename(script_argv[0]),
                                         "arguments": script_argv[1:], "settings": settings,
-                                        "seconds": round(time.monotonic() - began, 1)}) + "\n")
+                                        "seconds": round(time.monotonic() - began, 1),
+                                        "cpu_seconds": round(time.process_time() - began_cpu, 1)})
+                            + "\n")
     if "horovod.tensorflow" in sys.modules:     # under MPI: finalize it as a rank must
         sys.modules["horovod.tensorflow"].shutdown()
     sys.stdout.flush()
