@@ -137,7 +137,8 @@ class _HorovodJobs:
         try:
             run_jobs_in_sequence(
                 ranks, [(self.declared[member].script,
-                         self.declared[member].env(self.directories[member]),
+                         {**self.declared[member].env(self.directories[member]),
+                          "IN_SEQUENCE_TIMEOUT": str(self.declared[member].timeout)},
                          self.declared[member].argv)
                         for member in members],
                 timeout=sum(self.declared[member].timeout for member in members),

@@ -161,10 +161,12 @@ class HorovodJob:
     HorovodJob(...)}``): the ``horovod_jobs`` fixture runs every declared job of the same
     ranks and controller in one Horovod job (tests/jobs/in_sequence.py). ``env``: the
     script's environment variables, given the directory it writes its records to.
-    ``disables_eager``: the script turns eager execution off for the process (a TF1
-    program), so it runs after the scripts that need it on. ``argv``: the script's
-    arguments. ``process``: a name for a job that needs a fresh process (a Horovod job of
-    its own, beside the shared one of its ranks and controller)."""
+    ``timeout``: the seconds the script may take; past them its ranks print their stacks
+    and end the job (the watchdog of tests/jobs/in_sequence.py). ``disables_eager``: the
+    script turns eager execution off for the process (a TF1 program), so it runs after the
+    scripts that need it on. ``argv``: the script's arguments. ``process``: a name for a
+    job that needs a fresh process (a Horovod job of its own, beside the shared one of its
+    ranks and controller)."""
     script: str
     env: typing.Callable[[pathlib.Path], dict]
     ranks: int = 2

@@ -295,6 +295,38 @@ def test_a_test_job_whose_network_is_closed_ends_with_no_rank_left(tmp_path):
             os.kill(pid, 0)
 
 
+_WAITS_FOR_A_PEER = """
+import sys, time
+def wait_in_a_collective_no_peer_joins():
+    while True:
+        time.sleep(0.1)
+print("started", flush=True)
+wait_in_a_collective_no_peer_joins()
+"""
+
+
+def test_a_job_script_past_its_timeout_prints_its_stacks_and_ends_its_job(tmp_path):
+    """A script whose ranks wait in different collectives (an error caught on one rank
+    alone) would hold its whole test job until the job's timeout, the sum of its scripts':
+    past its own timeout each rank prints every thread's stack and exits with 1. A script
+    done in time leaves no watchdog behind for the scripts after it."""
+    scripts = {name: tmp_path / f"{name}.py" for name in ("in_time", "unwatched", "waits")}
+    scripts["in_time"].write_text("import time; time.sleep(1.5); print('in time')\n")
+    scripts["unwatched"].write_text("import time; time.sleep(1.5); print('unwatched')\n")
+    scripts["waits"].write_text(_WAITS_FOR_A_PEER)
+    from tests.helpers import IN_SEQUENCE
+    began = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, IN_SEQUENCE, "IN_SEQUENCE_TIMEOUT=2", str(scripts["in_time"]), ";",
+         str(scripts["unwatched"]), ";", "IN_SEQUENCE_TIMEOUT=2", str(scripts["waits"])],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert "in time\nunwatched\nstarted\n" in result.stdout, result.stdout
+    assert "Timeout (0:00:02)!" in result.stdout, result.stdout
+    assert "wait_in_a_collective_no_peer_joins" in result.stdout, result.stdout
+    assert time.monotonic() - began < 60
+
+
 # ---------------------------------------------------------------- PS cluster layouts
 def test_layouts_say_how_many_hosts_they_take():
     from tfoverlap.testbed.cluster import LocalCluster, hosts_needed

@@ -8,6 +8,12 @@ the job with its error. Each starts as it would in a process of its own where tf
 is concerned: default options, no log handlers of the scripts before it, and no message
 remembered as said (each script counts the warnings it gets).
 
+A script's own setting IN_SEQUENCE_TIMEOUT=SECONDS is its watchdog: where the script is
+still running after that long, the rank prints every thread's stack to stdout and exits
+with 1, which ends the job (tests/helpers.py). A script that leaves its ranks in
+different collectives (an error caught on one rank alone) would otherwise hold the whole
+job until the timeout of the job, the sum of its scripts'.
+
 Where $IN_SEQUENCE_TIMES names a file, rank 0 appends a JSON line per script to it: the
 script, its arguments and settings, the seconds it took and the CPU-seconds rank 0 spent
 on it (all threads: TensorFlow's, Horovod's background loop).
@@ -16,6 +22,7 @@ Once every script has run (their records written), the process shuts Horovod dow
 exits at once, without the interpreter's teardown: in a 2-rank job that had trained some
 70 models that teardown took 15 s, against 2-3 s for either half of them alone.
 """
+import faulthandler
 import json
 import logging
 import os
@@ -57,15 +64,19 @@ if __name__ == "__main__":
     handlers = list(logging.getLogger("tfoverlap").handlers)
     for settings, script_argv in groups(sys.argv[1:]):
         fresh_tfoverlap_state(handlers)
+        watchdog_s = float(settings.pop("IN_SEQUENCE_TIMEOUT", 0))
         os.environ.clear()
         os.environ.update(environment, **settings)
         sys.argv = list(script_argv)
+        if watchdog_s:
+            faulthandler.dump_traceback_later(watchdog_s, exit=True, file=sys.stdout)
         began, began_cpu = time.monotonic(), time.process_time()
         try:
             runpy.run_path(script_argv[0], run_name="__main__")
         except SystemExit as done:      # a script's sys.exit(0) ends that script alone
             if done.code not in (None, 0):
                 raise
+        faulthandler.cancel_dump_traceback_later()
         if environment.get("IN_SEQUENCE_TIMES") and "0" == environment.get(
                 "HOROVOD_RANK", environment.get("OMPI_COMM_WORLD_RANK")):
             with open(environment["IN_SEQUENCE_TIMES"], "a") as times:
