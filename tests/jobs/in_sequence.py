@@ -10,7 +10,7 @@ remembered as said (each script counts the warnings it gets).
 
 A script's own setting IN_SEQUENCE_TIMEOUT=SECONDS is its watchdog: where the script is
 still running after that long, the rank prints every thread's stack to stdout and exits
-with 1, which ends the job (tests/helpers.py). A script that leaves its ranks in
+with 1, and the launcher stops the other ranks. A script that leaves its ranks in
 different collectives (an error caught on one rank alone) would otherwise hold the whole
 job until the timeout of the job, the sum of its scripts'.
 
