@@ -34,7 +34,10 @@ _MPI_TAG = re.compile(r"\[\d+,(\d+)\]<(stdout|stderr)>:")
 @dataclasses.dataclass
 class HorovodResult:
     returncode: int               # 0 when every rank succeeded
-    outputs: list[str]            # each rank's stdout
+    #: each rank's stdout; in namespaces under Gloo, with its stderr interleaved (each
+    #: rank there is a process of this one's, its two streams one pipe), while
+    #: horovodrun and mpirun tag the streams and only stdout is kept
+    outputs: list[str]
     launcher: str                 # how the job was started, for reports
 
 
