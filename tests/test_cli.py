@@ -1,6 +1,7 @@
 """The tfoverlap command and the what-if simulation it runs."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -361,6 +362,35 @@ def test_schedule_shows_the_cross_step_plan_in_next_forward_order(capsys, horovo
     code, out, _ = run(capsys, "schedule", path, "--algo", "cross_step", "--workers", 8,
                        "--bandwidth", "10Gbit")
     assert code == 0 and "reduced at the next step's start in this order" in out
+
+
+def test_the_cross_step_search_script_starts_from_the_plans_choice_and_keeps_need_order(
+        capsys, horovod_graphs):
+    """scripts/cross_step_search.py: it simulates the plan's own choice to the step the plan
+    predicted, and the best set it finds is no slower, in need order, and not every
+    gradient (a step keeps something of its own to reduce)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "cross_step_search", os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "scripts", "cross_step_search.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    path = horovod_graphs.paths["cli_chain"]
+    assert script.main(["--graph", str(path), "--workers", "8", "--bandwidth", "10Gbit",
+                        "--threads", "1", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["order"] and found["chosen"], found
+    assert found["chosen_s"] == pytest.approx(found["candidates_s"][found["order"]])
+    assert found["evaluated"] > 0 and found["best_s"] <= found["chosen_s"]
+    graph_def = cli.load_graph(str(path))
+    reductions = [node.name for node in graph_def.node if node.op == "HorovodAllreduce"]
+    best = [name for chunk in found["best"] for name in chunk]
+    assert 0 < len(best) < len(reductions) and set(best) <= set(reductions)
+    # The chain's forward pass reads w0 first: need order is the layers' order.
+    layers = [int(re.search(r"gradients_MatMul(?:_(\d+))?_grad", name).group(1) or 0)
+              for name in best]
+    assert layers == sorted(layers), best
+    assert script.chunkings([7, 8, 9], 2, 8) == [[[7, 8, 9]], [[7], [8, 9]], [[7, 8], [9]]]
 
 
 def test_schedule_names_the_transfers_it_leaves_to_control_flow(capsys, tmp_path):
