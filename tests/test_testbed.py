@@ -251,6 +251,31 @@ def test_a_rank_that_dies_ends_the_job_instead_of_leaving_the_others_waiting(mon
     assert leftovers() == []
 
 
+# Both ranks end well: horovodrun stops the others once one fails, maybe before they
+# have written anything.
+_WRITES_TO_BOTH_STREAMS = """
+import os, sys
+rank = os.environ["HOROVOD_RANK"]
+print('{"rank": ' + rank + '}', flush=True)
+print("rank " + rank + " says why it would fail", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_loopback_job_returns_each_ranks_stdout_and_stderr():
+    """horovodrun's path keeps both streams of each rank (a failed job's reason is on
+    stderr), each rank's alone."""
+    from tfoverlap.testbed import horovod_launch
+    with EmulatedNetwork(2, loopback=True) as network:
+        result = horovod_launch.run_horovod(network, 2, [sys.executable, "-c",
+                                                         _WRITES_TO_BOTH_STREAMS],
+                                            controller="gloo", timeout=120)
+    assert result.returncode == 0, result.outputs
+    for rank, output in enumerate(result.outputs):
+        assert f'{{"rank": {rank}}}' in output.splitlines(), output
+        assert f"rank {rank} says why it would fail" in output, output
+        assert f"rank {1 - rank} says" not in output, output
+
+
 _RUNS_ON = """
 import os, time
 with open(os.path.join(os.environ["PIDS"], os.environ["HOROVOD_RANK"]), "w") as pid:

@@ -34,9 +34,10 @@ _MPI_TAG = re.compile(r"\[\d+,(\d+)\]<(stdout|stderr)>:")
 @dataclasses.dataclass
 class HorovodResult:
     returncode: int               # 0 when every rank succeeded
-    #: each rank's stdout; in namespaces under Gloo, with its stderr interleaved (each
-    #: rank there is a process of this one's, its two streams one pipe), while
-    #: horovodrun and mpirun tag the streams and only stdout is kept
+    #: each rank's stdout and stderr, line by line as they came (Gloo: in namespaces one
+    #: pipe per rank, on loopback horovodrun's tagged lines); under mpirun its stdout
+    #: alone (its tags can cut a line that stdout wrote in pieces), or the launcher's
+    #: last output where a failed job printed nothing there
     outputs: list[str]
     launcher: str                 # how the job was started, for reports
 
@@ -138,7 +139,7 @@ def _run_horovodrun(network, num_ranks, argv, env, timeout) -> HorovodResult:
     output = _collect([process], timeout)[0]
     per_rank = [[] for _ in range(num_ranks)]
     for line in output.splitlines():
-        match = re.match(r"^\[(\d+)\]<stdout>:(.*)$", line)
+        match = re.match(r"^\[(\d+)\]<(?:stdout|stderr)>:(.*)$", line)
         if match and int(match.group(1)) < num_ranks:
             per_rank[int(match.group(1))].append(match.group(2))
     return HorovodResult(process.returncode, ["\n".join(lines) for lines in per_rank],
