@@ -183,6 +183,12 @@ class HorovodJob:
 #: The jobs check values, not speed, and Horovod's results do not depend on the cycle.
 HOROVOD_CYCLE_TIME_MS = "10"
 
+#: Gloo's timeout for a collective or a rendezvous (Horovod's default: 30 s). On 2 cores
+#: busy with a dozen TensorFlow processes, a rank of the 3-rank job came to a script's
+#: first collective more than 30 s after another, which failed the job with Gloo's "Read
+#: timeout". A job that truly hangs is ended by its script's watchdog (IN_SEQUENCE_TIMEOUT).
+GLOO_TIMEOUT_ENV = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}
+
 
 def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gloo",
                          times=None, networks: list | None = None) -> None:
@@ -204,5 +210,6 @@ def run_jobs_in_sequence(ranks: int, jobs, timeout: float, controller: str = "gl
         result = run_horovod(network, ranks, [sys.executable, IN_SEQUENCE] + argv,
                              controller=controller, timeout=timeout,
                              env={"HOROVOD_CYCLE_TIME": HOROVOD_CYCLE_TIME_MS,
+                                  **GLOO_TIMEOUT_ENV,
                                   **({"IN_SEQUENCE_TIMES": str(times)} if times else {})})
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]

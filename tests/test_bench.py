@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.helpers import GLOO_TIMEOUT_ENV
 from tfoverlap.bench import ps, report
 from tfoverlap.testbed.network import leftovers
 
@@ -210,7 +211,8 @@ def test_horovod_benchmark_worker_end_to_end(tmp_path):
             "--batch", "8", "--variants", "horovod,caramel,caramel_decoupled", "--rounds", "1",
             "--steps", "1",
             "--warmup", "1", "--trace-timeline", timeline, "--traced-steps", "2"],
-            controller="gloo", timeout=400, env={"HOROVOD_TIMELINE": "DYNAMIC"})
+            controller="gloo", timeout=400,
+            env={"HOROVOD_TIMELINE": "DYNAMIC", **GLOO_TIMEOUT_ENV})
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
     record = json.loads(next(line for line in result.outputs[0].splitlines()
                              if line.startswith("{")))
@@ -304,7 +306,7 @@ def keras_worker_records():
     from tfoverlap.testbed.network import EmulatedNetwork
     with EmulatedNetwork(2, loopback=True) as network:
         result = run_horovod(network, 2, [sys.executable, "-c", _KERAS_WORKER_JOBS],
-                             controller="gloo", timeout=500)
+                             controller="gloo", timeout=500, env=GLOO_TIMEOUT_ENV)
     assert result.returncode == 0, [output[-3000:] for output in result.outputs]
     records = [json.loads(line) for line in result.outputs[0].splitlines()
                if line.startswith("{")]
