@@ -183,13 +183,12 @@ class HorovodJob:
 #: The jobs check values, not speed, and Horovod's results do not depend on the cycle.
 HOROVOD_CYCLE_TIME_MS = "10"
 
-#: Gloo's timeout for a collective or a rendezvous (Horovod's default: 30 s). Twice, on 2
-#: cores busy with a dozen TensorFlow processes, a rank of the 3-rank job waited more than
-#: 30 s inside a 64 MB reduce-scatter (measure_halves, its second script's first
-#: collective) and failed the job with Gloo's "Read timeout"; it did not happen with the
-#: job alone. (A rank that is merely late to a collective does not time out: 40 s late,
-#: the other waited.) A job that truly hangs is ended by its script's watchdog
-#: (IN_SEQUENCE_TIMEOUT).
+#: Gloo's timeout for a collective or a rendezvous (Horovod's default: 30 s). On 2 cores
+#: busy with a dozen TensorFlow processes, a rank of the 3-rank job waited more than 30 s
+#: inside a 64 MB reduce-scatter (measure_halves, at the end of decoupled_training.py) and
+#: failed the job with Gloo's "Read timeout"; the job alone never did. (A rank that is
+#: merely late to a collective does not time out: 40 s late, the other waited.) A job that
+#: truly hangs is ended by its script's watchdog (IN_SEQUENCE_TIMEOUT).
 GLOO_TIMEOUT_ENV = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}
 
 
