@@ -60,8 +60,9 @@ def groups(argv: list[str]) -> list[tuple[dict, list[str]]]:
 
 
 #: Python's cyclic collector at its default threshold (700 allocations) ran some 7,400
-#: times in a rank of the suite's 2-rank job, 22 of them over the whole heap of traced
-#: graphs: 14.5 of its 216 CPU-seconds. At 50,000 it ran 80 times, in 4 CPU-seconds.
+#: times in a rank of the suite's 2-rank job (run alone), 22 of them over the whole heap
+#: of traced graphs: 14-15 of the rank's 216-226 CPU-seconds. At 50,000 it ran 80 times,
+#: in 4 CPU-seconds, and the rank's peak memory stayed 2.5 GB.
 GC_THRESHOLD = (50_000, 20, 10)
 
 
