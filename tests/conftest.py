@@ -4,7 +4,10 @@ import sys
 
 import pytest
 
+from jobs.collector import collect_less_often
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+collect_less_often()
 
 #: Where the Horovod jobs of this session write how long each script took (JSON lines).
 _JOB_TIMES: list = []

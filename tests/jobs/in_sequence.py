@@ -23,7 +23,6 @@ exits at once, without the interpreter's teardown: in a 2-rank job that had trai
 70 models that teardown took 15 s, against 2-3 s for either half of them alone.
 """
 import faulthandler
-import gc
 import json
 import logging
 import os
@@ -59,16 +58,10 @@ def groups(argv: list[str]) -> list[tuple[dict, list[str]]]:
     return result
 
 
-#: Python's cyclic collector at its default threshold (700 allocations) ran some 7,400
-#: times in a rank of the suite's 2-rank job (run alone), 22 of them over the whole heap
-#: of traced graphs: 14-15 of the rank's 216-226 CPU-seconds. At 50,000 it ran 80 times,
-#: in 4 CPU-seconds, and the rank's peak memory stayed 2.5 GB.
-GC_THRESHOLD = (50_000, 20, 10)
-
-
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    gc.set_threshold(*GC_THRESHOLD)
+    from collector import collect_less_often
+    collect_less_often()
     environment = dict(os.environ)
     handlers = list(logging.getLogger("tfoverlap").handlers)
     for settings, script_argv in groups(sys.argv[1:]):
